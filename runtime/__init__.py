@@ -1,0 +1,1 @@
+"""The graph runtime: backends, buckets, buffers, executor, memory pools and the reference decoder."""
