@@ -1,0 +1,50 @@
+"""Backends: the subset of torch.cuda a graph runner uses, on a GPU (`cuda`) or the CPU (`sim`).
+
+A runner written against a backend runs unchanged on both. `get("auto")` picks cuda when a GPU is
+present. The surface (names and semantics as in torch.cuda): `Graph`, `graph(g, pool=, stream=)`,
+`graph_pool_handle()`, `Stream`, `Event`, `stream(s)`, `current_stream()`, `default_stream()`,
+`synchronize()`, `empty_pinned(size, dtype=)`, `device`, `name`, `CaptureError`,
+`UseAfterFreeError` and `set_scheduler_seed(seed)` (orders independent streams on sim; no-op on cuda).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
+
+BACKEND_NAMES = ("auto", "cuda", "sim")
+_instances: dict[str, Any] = {}
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve(name: str) -> str:
+    """The concrete backend `name` stands for ("auto" -> "cuda" with a GPU, else "sim")."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    if name == "auto":
+        return "cuda" if cuda_available() else "sim"
+    return name
+
+
+def get(name: str = "auto") -> Any:
+    """The backend object for `name`; one instance per process and name."""
+    concrete = resolve(name)
+    if concrete not in _instances:
+        if concrete == "cuda":
+            from pytest_graphmode.runtime.backends.cuda import CudaBackend
+
+            _instances[concrete] = CudaBackend()
+        else:
+            from pytest_graphmode.runtime.backends.sim import current_backend
+
+            _instances[concrete] = current_backend()
+    return _instances[concrete]
+
+
+__all__ = ["BACKEND_NAMES", "CaptureError", "UseAfterFreeError", "cuda_available", "get", "resolve"]

@@ -1,0 +1,267 @@
+"""Recording a capture into a replayable program, and replaying it.
+
+A captured program refers to three kinds of values, as a CUDA graph refers to addresses:
+- owned: outputs allocated from the graph's pool during the capture (held by the graph);
+- external: tensors the graph reads or writes but does not own (weights, static inputs, workspaces).
+  Like a CUDA graph, the program keeps only their address, not a reference: it holds a weak reference
+  to the storage, so memory freed or reallocated after the capture is reported as use-after-free
+  instead of silently read;
+- derived: views, recomputed at each replay from the values above (metadata only).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
+from pytest_graphmode.runtime.backends.sim import ops
+from pytest_graphmode.runtime.backends.sim.pool import poison_
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    idx: int
+
+
+@dataclass(slots=True)
+class _External:
+    idx: int
+    storage: weakref.ref[torch.UntypedStorage]
+    address: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    label: str
+
+
+@dataclass(slots=True)
+class _Instr:
+    func: Any
+    args: list[Any]
+    kwargs: dict[str, Any]
+    view_outs: list[int] | None  # view instruction: env slots its results go to
+    fresh: list[tuple[int, int]]  # compute instruction: (return position, owned slot)
+
+
+def _resolve(x: Any, env: list[Any]) -> Any:
+    if type(x) is Ref:
+        return env[x.idx]
+    if type(x) is list or type(x) is tuple:
+        return type(x)(_resolve(i, env) for i in x)
+    return x
+
+
+def _has_ref(x: Any) -> bool:
+    if type(x) is Ref:
+        return True
+    return (type(x) is list or type(x) is tuple) and any(_has_ref(i) for i in x)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"tensor {list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+class Program:
+    """A finished capture: replays its instructions in recorded order on the same memory."""
+
+    def __init__(self, env: list[Any], externals: list[_External], instrs: list[_Instr]) -> None:
+        self._env = env
+        self._externals = externals
+        self._instrs = instrs
+        self._first_reader: dict[int, str] = {}
+        for ins in instrs:
+            for ref in _refs(ins.args, ins.kwargs):
+                self._first_reader.setdefault(ref, ops.op_name(ins.func))
+
+    def check_alive(self) -> None:
+        """Raise UseAfterFreeError now if any external memory the program reads is gone."""
+        for ext in self._externals:
+            self._materialize(ext)
+
+    def run(self) -> None:
+        env = list(self._env)
+        for ext in self._externals:
+            env[ext.idx] = self._materialize(ext)
+        with torch.no_grad():
+            for ins in self._instrs:
+                args = [_resolve(a, env) for a in ins.args]
+                kwargs = {k: _resolve(v, env) for k, v in ins.kwargs.items()}
+                out = ins.func(*args, **kwargs)
+                if ins.view_outs is not None:
+                    outs = out if isinstance(out, tuple | list) else [out]
+                    for slot, value in zip(ins.view_outs, outs, strict=True):
+                        env[slot] = value
+                else:
+                    outs = out if isinstance(out, tuple | list) else [out]
+                    for pos, slot in ins.fresh:
+                        env[slot].copy_(outs[pos])
+
+    def _materialize(self, ext: _External) -> torch.Tensor:
+        storage = ext.storage()
+        reader = self._first_reader.get(ext.idx, "the graph")
+        if storage is None or storage.data_ptr() != ext.address:
+            what = "freed" if storage is None else "reallocated (resized)"
+            raise UseAfterFreeError(
+                f"graph replay reads memory that was {what} after capture: {ext.label}, read by "
+                f"{reader}. A graph keeps addresses, not tensors: keep that tensor alive and update "
+                "it in place (copy_) instead of rebinding or resizing it, or capture again."
+            )
+        t = torch.empty(0, dtype=ext.dtype)
+        return t.set_(storage, ext.offset, ext.shape, ext.stride)
+
+
+def _refs(args: list[Any], kwargs: dict[str, Any]) -> list[int]:
+    found: list[int] = []
+
+    def walk(x: Any) -> None:
+        if type(x) is Ref:
+            found.append(x.idx)
+        elif type(x) is list or type(x) is tuple:
+            for i in x:
+                walk(i)
+
+    walk(args)
+    walk(list(kwargs.values()))
+    return found
+
+
+class Capture:
+    """One capture in progress: turns intercepted operations into a Program."""
+
+    def __init__(self, pool: Any, release: Callable[[Any, torch.Tensor], None]) -> None:
+        self.pool = pool
+        self._release = release
+        self._env: list[Any] = []
+        self._owned: set[int] = set()
+        self._externals: list[_External] = []
+        self._instrs: list[_Instr] = []
+        self._ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self.invalid: str | None = None
+        self.ops_recorded = 0
+
+    def fail(self, message: str) -> CaptureError:
+        self.invalid = self.invalid or message
+        return CaptureError(message)
+
+    def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.invalid is not None:
+            raise CaptureError(f"capture already invalidated: {self.invalid}")
+        problem = ops.capture_violation(func, args, kwargs)
+        if problem is not None:
+            raise self.fail(
+                f"{ops.op_name(func)} cannot be captured: {problem}. Move it out of the capture "
+                "region, or keep the value on the device."
+            )
+        self.ops_recorded += 1
+        if func in ops.CONSTANT_OPS:
+            return self._constant(args[0])
+        targs = [self._template(a) for a in args]
+        tkwargs = {k: self._template(v) for k, v in kwargs.items()}
+        if func in ops.EMPTY_OPS:
+            return self._allocate(ops.meta_outputs(func, args, kwargs))[0][0]
+        if ops.is_view(func):
+            out = func(*args, **kwargs)
+            outs = list(out) if isinstance(out, tuple | list) else [out]
+            slots = [self._bind(o, self._new_slot(None)) for o in outs]
+            self._instrs.append(_Instr(func, targs, tkwargs, slots, []))
+            return out
+        positions = ops.fresh_return_positions(func)
+        metas = ops.meta_outputs(func, args, kwargs) if positions else []
+        fresh, slots = self._allocate([metas[p] for p in positions])
+        self._instrs.append(
+            _Instr(func, targs, tkwargs, None, list(zip(positions, slots, strict=True)))
+        )
+        return ops.assemble_returns(func, args, kwargs, dict(zip(positions, fresh, strict=True)))
+
+    def finish(self) -> Program:
+        """Freeze the program; views of owned memory are computed once here."""
+        constant = set(self._owned)
+        kept: list[_Instr] = []
+        env = list(self._env)
+        for ins in self._instrs:
+            if ins.view_outs is not None and set(_refs(ins.args, ins.kwargs)) <= constant:
+                out = ins.func(
+                    *[_resolve(a, env) for a in ins.args],
+                    **{k: _resolve(v, env) for k, v in ins.kwargs.items()},
+                )
+                outs = out if isinstance(out, tuple | list) else [out]
+                for slot, value in zip(ins.view_outs, outs, strict=True):
+                    env[slot] = value
+                    constant.add(slot)
+            else:
+                kept.append(ins)
+        for slot in range(len(env)):
+            if slot not in constant:
+                env[slot] = None
+        return Program(env, self._externals, kept)
+
+    # -- values ---------------------------------------------------------------------------------
+
+    def _new_slot(self, value: Any) -> int:
+        self._env.append(value)
+        return len(self._env) - 1
+
+    def _bind(self, t: torch.Tensor, slot: int) -> int:
+        self._ids[id(t)] = (weakref.ref(t), slot)
+        return slot
+
+    def _slot_of(self, t: torch.Tensor) -> int:
+        known = self._ids.get(id(t))
+        if known is not None and known[0]() is t:
+            return known[1]
+        storage = t.untyped_storage()
+        slot = self._new_slot(None)
+        self._externals.append(
+            _External(
+                slot,
+                weakref.ref(storage),
+                storage.data_ptr(),
+                int(t.storage_offset()),
+                tuple(t.shape),
+                tuple(t.stride()),
+                t.dtype,
+                f"{_describe(t)} at 0x{t.data_ptr():x}",
+            )
+        )
+        return self._bind(t, slot)
+
+    def _template(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return Ref(self._slot_of(x))
+        if type(x) is list or type(x) is tuple:
+            return type(x)(self._template(i) for i in x)
+        return x
+
+    def _constant(self, t: torch.Tensor) -> torch.Tensor:
+        slot = self._new_slot(t)
+        self._owned.add(slot)
+        self._bind(t, slot)
+        return t
+
+    def _allocate(self, metas: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+        """Pool-backed, poisoned outputs: one tensor for the program, one handed to the caller."""
+        fresh, slots = [], []
+        for meta in metas:
+            block = self.pool.allocate(ops.storage_bytes(meta))
+            offset = block.storage_offset() // meta.element_size()
+            storage = block.untyped_storage()
+            owned = torch.empty(0, dtype=meta.dtype).set_(
+                storage, offset, meta.shape, meta.stride()
+            )
+            poison_(owned)
+            handed = torch.empty(0, dtype=meta.dtype).set_(
+                storage, offset, meta.shape, meta.stride()
+            )
+            # The block returns to the pool when the caller drops its tensor (and every view of it),
+            # as a CUDA graph pool block does; the program's own handle does not keep it reserved.
+            weakref.finalize(handed, self._release, self.pool, block)
+            slot = self._bind(handed, self._new_slot(owned))
+            self._owned.add(slot)
+            fresh.append(handed)
+            slots.append(slot)
+        return fresh, slots

@@ -1,0 +1,120 @@
+"""Graph memory pools on host memory, and the poison written into fresh capture outputs.
+
+A pool hands out blocks from chunks it never returns while it lives, like a CUDA graph pool: blocks a
+capture frees (its temporaries) are reused later in that capture and by later captures sharing the
+pool, which is exactly what makes pool sharing safe only when replays never overlap.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Protocol, runtime_checkable
+
+import torch
+
+ALIGNMENT = 512
+DEFAULT_CHUNK = 1 << 20
+
+_pool_ids = itertools.count(1)
+
+
+@runtime_checkable
+class SimCapturePool(Protocol):
+    """What `graph(g, pool=...)` accepts on sim besides a handle: allocation for one capture."""
+
+    def allocate(self, nbytes: int) -> torch.Tensor: ...
+
+    def release(self, block: torch.Tensor) -> None: ...
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+class SimPoolHandle:
+    """A graph memory pool: best-fit blocks carved from chunks that only grow.
+
+    `id` is a tuple like the `(int, int)` pool ids of torch.cuda, so handles print and hash alike.
+    """
+
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK) -> None:
+        self.id = (0, next(_pool_ids))
+        self._chunk_bytes = chunk_bytes
+        self._chunks: list[torch.Tensor] = []
+        # per chunk: sorted list of free (start, end) byte ranges
+        self._free: list[list[tuple[int, int]]] = []
+        self._in_use = 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(c.numel() for c in self._chunks)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self._in_use
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        size = _round_up(max(nbytes, 1), ALIGNMENT)
+        best: tuple[int, int, int] | None = None  # (waste, chunk, index in free list)
+        for c, ranges in enumerate(self._free):
+            for i, (start, end) in enumerate(ranges):
+                waste = end - start - size
+                if waste >= 0 and (best is None or waste < best[0]):
+                    best = (waste, c, i)
+        if best is None:
+            chunk = torch.empty(_round_up(size, self._chunk_bytes), dtype=torch.uint8)
+            self._chunks.append(chunk)
+            self._free.append([(0, chunk.numel())])
+            best = (chunk.numel() - size, len(self._chunks) - 1, 0)
+        _, c, i = best
+        start, end = self._free[c][i]
+        if start + size == end:
+            del self._free[c][i]
+        else:
+            self._free[c][i] = (start + size, end)
+        self._in_use += size
+        return self._chunks[c][start : start + nbytes]
+
+    def release(self, block: torch.Tensor) -> None:
+        for c, chunk in enumerate(self._chunks):
+            start = block.data_ptr() - chunk.data_ptr()
+            if 0 <= start < chunk.numel():
+                size = _round_up(max(block.numel(), 1), ALIGNMENT)
+                self._in_use -= size
+                self._insert_free(c, start, start + size)
+                return
+        raise ValueError("block does not belong to this pool")
+
+    def _insert_free(self, c: int, start: int, end: int) -> None:
+        ranges = self._free[c]
+        ranges.append((start, end))
+        ranges.sort()
+        merged: list[tuple[int, int]] = []
+        for s, e in ranges:
+            if merged and merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], e)
+            else:
+                merged.append((s, e))
+        self._free[c] = merged
+
+    def __repr__(self) -> str:
+        return f"<sim graph pool {self.id} reserved={self.reserved_bytes}>"
+
+
+_INT_POISON = {
+    torch.int64: -0x5A5A5A5A5A5A5A5B,
+    torch.int32: -0x5A5A5A5B,
+    torch.int16: -0x5A5B,
+    torch.int8: -0x5B,
+    torch.uint8: 0xA5,
+}
+
+
+def poison_(t: torch.Tensor) -> None:
+    """Fill with values no correct computation produces, so reading before a replay is visible."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(_INT_POISON.get(t.dtype, -1))

@@ -1,0 +1,200 @@
+"""Streams, events and the seeded scheduler that runs queued device work.
+
+Device work queued on a stream runs at the latest moment its declared dependencies allow: when a later
+operation on the same stream executes, when someone waits for it (event, stream synchronize, device
+synchronize) or when the host reads its result. At every operation the scheduler may also let some
+queued work run early, chosen by a seeded random generator. Independent streams are therefore ordered
+differently under different seeds, and a missing dependency shows up as a wrong value for some seeds,
+reproducibly per seed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class _Work:
+    run: Callable[[], None]
+    label: str
+
+
+@dataclass(eq=False)
+class _Marker:
+    """An event recorded at this point of a stream; done once the stream reaches it."""
+
+    event: SimEvent
+    done: bool = False
+    at: float = 0.0
+
+
+@dataclass(eq=False)
+class _Wait:
+    marker: _Marker
+
+
+_Item = _Work | _Marker | _Wait
+
+
+class Scheduler:
+    """Owns every stream's queue; the single place where queued device work runs."""
+
+    # Chance, at each scheduling point, that one queued item runs early.
+    EAGERNESS = 0.5
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+        self._queues: dict[SimStream, deque[_Item]] = {}
+        self._running = False
+
+    def set_seed(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+
+    def enqueue(self, stream: SimStream, item: _Item) -> None:
+        self._queues.setdefault(stream, deque()).append(item)
+
+    def has_work(self, stream: SimStream) -> bool:
+        return bool(self._queues.get(stream))
+
+    def pending(self) -> bool:
+        return any(self._queues.values())
+
+    def maybe_progress(self) -> None:
+        """A scheduling point: perhaps run one queued item of a random stream."""
+        if self._running or not self.pending():
+            return
+        if self._rng.random() >= self.EAGERNESS:
+            return
+        streams = [s for s, q in self._queues.items() if q]
+        stream = streams[self._rng.randrange(len(streams))]
+        head = self._queues[stream][0]
+        if isinstance(head, _Wait) and not head.marker.done:
+            return
+        self._run_next(stream)
+
+    def drain(self, stream: SimStream) -> None:
+        queue = self._queues.get(stream)
+        while queue:
+            self._run_next(stream)
+
+    def run_until(self, marker: _Marker) -> None:
+        stream = marker.event.recorded_on
+        while not marker.done and stream is not None:
+            self._run_next(stream)
+
+    def drain_all(self) -> None:
+        while True:
+            streams = [s for s, q in self._queues.items() if q]
+            if not streams:
+                return
+            self._rng.shuffle(streams)
+            for stream in streams:
+                self.drain(stream)
+
+    def _run_next(self, stream: SimStream) -> None:
+        item = self._queues[stream][0]
+        if isinstance(item, _Wait):
+            # Dependencies are honoured by running the other stream up to the awaited point.
+            self.run_until(item.marker)
+        self._queues[stream].popleft()
+        if isinstance(item, _Marker):
+            item.done = True
+            item.at = time.perf_counter()
+        elif isinstance(item, _Work):
+            was_running, self._running = self._running, True
+            try:
+                item.run()
+            finally:
+                self._running = was_running
+
+
+_stream_ids = itertools.count()
+
+
+class SimStream:
+    """A queue of device work, shaped like torch.cuda.Stream."""
+
+    def __init__(
+        self, device: object = None, priority: int = 0, *, _backend: object = None
+    ) -> None:
+        from pytest_graphmode.runtime.backends.sim.backend import current_backend
+
+        self._backend = _backend or current_backend()
+        self.priority = priority
+        self.stream_id = next(_stream_ids)
+
+    @property
+    def is_default(self) -> bool:
+        return self is self._backend.default_stream()
+
+    def wait_event(self, event: SimEvent) -> None:
+        self._backend.stream_wait_event(self, event)
+
+    def wait_stream(self, stream: SimStream) -> None:
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event: SimEvent | None = None) -> SimEvent:
+        event = event if event is not None else SimEvent()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return self._backend.stream_query(self)
+
+    def synchronize(self) -> None:
+        self._backend.stream_synchronize(self)
+
+    def __repr__(self) -> str:
+        kind = "default" if self.is_default else f"#{self.stream_id}"
+        return f"<sim stream {kind}>"
+
+
+class SimEvent:
+    """A point in a stream, shaped like torch.cuda.Event."""
+
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> None:
+        from pytest_graphmode.runtime.backends.sim.backend import current_backend
+
+        self._backend = current_backend()
+        self.enable_timing = enable_timing
+        self.marker: _Marker | None = None
+        self.recorded_on: SimStream | None = None
+        self.capture_position: tuple[object, int] | None = None
+
+    def record(self, stream: SimStream | None = None) -> None:
+        self._backend.event_record(self, stream)
+
+    def wait(self, stream: SimStream | None = None) -> None:
+        (stream or self._backend.current_stream()).wait_event(self)
+
+    def query(self) -> bool:
+        return self._backend.event_query(self)
+
+    def synchronize(self) -> None:
+        self._backend.event_synchronize(self)
+
+    def elapsed_time(self, end: SimEvent) -> float:
+        """Milliseconds between two completed events (wall clock of the simulated device)."""
+        if self.marker is None or end.marker is None or not (self.marker.done and end.marker.done):
+            raise RuntimeError("elapsed_time needs both events recorded and completed")
+        return (end.marker.at - self.marker.at) * 1e3
+
+
+def new_marker(event: SimEvent) -> _Marker:
+    return _Marker(event)
+
+
+def new_wait(marker: _Marker) -> _Wait:
+    return _Wait(marker)
+
+
+def new_work(run: Callable[[], None], label: str) -> _Work:
+    return _Work(run, label)

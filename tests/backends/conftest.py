@@ -1,0 +1,21 @@
+import pytest
+import torch
+from pytest_graphmode.runtime import backends
+
+
+@pytest.fixture(params=["sim", pytest.param("cuda", marks=pytest.mark.cuda)])
+def be(request: pytest.FixtureRequest):
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("cuda backend: no CUDA GPU on this machine")
+    backend = backends.get(request.param)
+    backend.set_scheduler_seed(0)
+    yield backend
+    backend.synchronize()
+
+
+@pytest.fixture
+def sim():
+    backend = backends.get("sim")
+    backend.synchronize()
+    yield backend
+    backend.synchronize()

@@ -1,0 +1,60 @@
+"""Operations that cannot be captured raise CaptureError and leave the backend usable."""
+
+import pytest
+import torch
+
+
+def _item(be, x):
+    return x.sum().item()
+
+
+def _tolist(be, x):
+    return x.tolist()
+
+
+def _bool(be, x):
+    return bool(x[0] > 0)
+
+
+def _nonzero(be, x):
+    return torch.nonzero(x)
+
+
+def _synchronize(be, x):
+    be.synchronize()
+
+
+@pytest.mark.parametrize("illegal", [_item, _tolist, _bool, _nonzero, _synchronize])
+def test_illegal_op_in_capture_raises_capture_error(be, illegal):
+    x = torch.ones(4, device=be.device)
+    g = be.Graph()
+    with pytest.raises(be.CaptureError), be.graph(g):
+        y = x * 2
+        illegal(be, y)
+    with pytest.raises(RuntimeError):
+        g.replay()
+
+
+@pytest.mark.parametrize("illegal", [_item, _nonzero, _synchronize])
+def test_backend_keeps_working_after_a_failed_capture(be, illegal):
+    x = torch.ones(4, device=be.device)
+    with pytest.raises(be.CaptureError), be.graph(be.Graph()):
+        illegal(be, x * 2)
+    g = be.Graph()
+    with be.graph(g):
+        y = x + 1
+    g.replay()
+    be.synchronize()
+    assert torch.equal(y, torch.full((4,), 2.0, device=be.device))
+
+
+def test_sim_capture_error_names_the_op(sim):
+    x = torch.ones(4)
+    with pytest.raises(sim.CaptureError, match="nonzero"), sim.graph(sim.Graph()):
+        torch.nonzero(x)
+
+
+def test_sim_capture_on_default_stream_is_refused(sim):
+    g = sim.Graph()
+    with pytest.raises(sim.CaptureError, match="non-default stream"):
+        g.capture_begin()

@@ -1,0 +1,139 @@
+"""Capture records and replay computes: the semantics every backend shares with CUDA graphs."""
+
+import pytest
+import torch
+
+
+def test_capture_region_python_runs_once(be):
+    x = torch.ones(4, device=be.device)
+    runs = []
+    g = be.Graph()
+    with be.graph(g):
+        runs.append(1)
+        y = x * 2
+    for _ in range(3):
+        g.replay()
+    be.synchronize()
+    assert runs == [1]
+    assert torch.equal(y, torch.full((4,), 2.0, device=be.device))
+
+
+def test_capture_does_not_compute_in_place_updates(be):
+    buf = torch.zeros(4, device=be.device)
+    g = be.Graph()
+    with be.graph(g):
+        buf.add_(1)
+    be.synchronize()
+    assert torch.equal(buf, torch.zeros(4, device=be.device))
+    g.replay()
+    g.replay()
+    be.synchronize()
+    assert torch.equal(buf, torch.full((4,), 2.0, device=be.device))
+
+
+def test_sim_outputs_are_poisoned_until_first_replay(sim):
+    x = torch.ones(3, dtype=torch.float32)
+    ids = torch.arange(3)
+    g = sim.Graph()
+    with sim.graph(g):
+        y = x + 1
+        k = ids * 2
+    assert torch.isnan(y).all()
+    assert (k != torch.arange(3) * 2).all()
+    g.replay()
+    assert torch.equal(y, torch.full((3,), 2.0))
+    assert torch.equal(k, torch.arange(3) * 2)
+
+
+def test_replay_reads_current_contents_copy_changes_rebinding_does_not(be):
+    x = torch.ones(4, device=be.device)
+    g = be.Graph()
+    with be.graph(g):
+        y = x * 3
+    x.copy_(torch.arange(4.0, device=be.device))
+    g.replay()
+    be.synchronize()
+    assert torch.equal(y, torch.arange(4.0, device=be.device) * 3)
+    captured = x  # keep the captured memory alive: the graph holds its address, not the name
+    x = torch.full((4,), 100.0, device=be.device)
+    g.replay()
+    be.synchronize()
+    assert torch.equal(y, captured * 3)
+    assert not torch.equal(y, x * 3)
+
+
+def test_shapes_are_frozen_at_capture(be):
+    static = torch.arange(8.0, device=be.device)
+    rows = 4
+    g = be.Graph()
+    with be.graph(g):
+        out = static[:rows] * 2
+    rows = 8
+    static.copy_(torch.arange(8.0, device=be.device) + 10)
+    g.replay()
+    be.synchronize()
+    assert out.shape == (4,)
+    assert torch.equal(out, (torch.arange(4.0, device=be.device) + 10) * 2)
+    assert rows == 8
+
+
+def test_two_captures_share_a_pool(be):
+    x = torch.ones(64, device=be.device)
+    g1, g2 = be.Graph(), be.Graph()
+    with be.graph(g1):
+        a = (x * 2).sum(0, keepdim=True)
+    with be.graph(g2, pool=g1.pool()):
+        b = (x * 5).sum(0, keepdim=True)
+    x.fill_(3.0)
+    g1.replay()
+    g2.replay()
+    be.synchronize()
+    assert a.item() == 64 * 6.0
+    assert b.item() == 64 * 15.0
+
+
+def test_temporaries_are_reused_inside_one_capture(be):
+    x = torch.ones(1024, device=be.device)
+    g = be.Graph()
+    with be.graph(g):
+        first = x * 2
+        first_ptr = first.data_ptr()
+        del first
+        second = x * 3
+    g.replay()
+    be.synchronize()
+    assert second.data_ptr() == first_ptr
+    assert torch.equal(second, torch.full((1024,), 3.0, device=be.device))
+
+
+def test_sim_shared_pool_reuses_freed_blocks_across_captures(sim):
+    x = torch.ones(4096)
+    pool = sim.graph_pool_handle()
+    g1, g2 = sim.Graph(), sim.Graph()
+    with sim.graph(g1, pool=pool):
+        out1 = (x * 2 + 1).sum()
+    after_first = pool.reserved_bytes
+    with sim.graph(g2, pool=pool):
+        out2 = (x * 3 + 1).sum()
+    assert pool.reserved_bytes == after_first
+    g1.replay()
+    g2.replay()
+    assert out1.item() == 4096 * 3 and out2.item() == 4096 * 4
+
+
+def test_random_ops_advance_per_replay(be):
+    g = be.Graph()
+    with be.graph(g):
+        noise = torch.rand(16, device=be.device)
+    g.replay()
+    first = noise.clone()
+    g.replay()
+    be.synchronize()
+    assert torch.isfinite(noise).all() and ((noise >= 0) & (noise < 1)).all()
+    assert not torch.equal(first, noise)
+
+
+def test_replay_without_capture_is_an_error(be):
+    g = be.Graph()
+    with pytest.raises(RuntimeError):
+        g.replay()

@@ -1,0 +1,146 @@
+"""Multi-stream capture, and (sim) the asynchronous stream model and its races."""
+
+import pytest
+import torch
+
+
+def _fork_join_capture(be, x, join: bool):
+    side = be.Stream()
+    g = be.Graph()
+    with be.graph(g):
+        origin = be.current_stream()
+        k0 = x + 1
+        side.wait_stream(origin)
+        k1 = k0 * 2
+        with be.stream(side):
+            k2 = k0 * 3
+        if join:
+            origin.wait_stream(side)
+        k3 = k1 + k2
+    return g, k3
+
+
+def test_fork_join_capture_replays_correctly(be):
+    x = torch.ones(8, device=be.device)
+    g, k3 = _fork_join_capture(be, x, join=True)
+    x.copy_(torch.arange(8.0, device=be.device))
+    g.replay()
+    be.synchronize()
+    k0 = torch.arange(8.0, device=be.device) + 1
+    assert torch.equal(k3, k0 * 2 + k0 * 3)
+
+
+def test_side_stream_not_joined_before_capture_end_raises(be):
+    x = torch.ones(8, device=be.device)
+    with pytest.raises(be.CaptureError):
+        _fork_join_capture(be, x, join=False)
+    g, k3 = _fork_join_capture(be, x, join=True)
+    g.replay()
+    be.synchronize()
+    assert torch.equal(k3, torch.full((8,), 10.0, device=be.device))
+
+
+def _stage_and_consume(sim, seed: int, wait_for_copy: bool) -> float:
+    """Stage 1.0 through a pinned buffer with an async copy, then reuse the buffer for 2.0."""
+    sim.set_scheduler_seed(seed)
+    pinned = sim.empty_pinned(4, dtype=torch.float32)
+    device_buf = torch.zeros(4)
+    pinned.fill_(1.0)
+    device_buf.copy_(pinned, non_blocking=True)
+    copied = sim.Event()
+    copied.record()
+    if wait_for_copy:
+        copied.synchronize()
+    pinned.fill_(2.0)  # the host moves on to the next step's inputs
+    result = (device_buf * 1).sum().item() / 4
+    sim.synchronize()
+    return result
+
+
+def test_sim_reused_pinned_buffer_races_for_some_seeds(sim):
+    results = [_stage_and_consume(sim, seed, wait_for_copy=False) for seed in range(50)]
+    assert 1.0 in results and 2.0 in results
+
+
+def test_sim_race_is_reproducible_per_seed(sim):
+    first = [_stage_and_consume(sim, seed, wait_for_copy=False) for seed in range(20)]
+    second = [_stage_and_consume(sim, seed, wait_for_copy=False) for seed in range(20)]
+    assert first == second
+
+
+def test_sim_event_wait_before_reuse_is_right_for_every_seed(sim):
+    assert all(_stage_and_consume(sim, s, wait_for_copy=True) == 1.0 for s in range(50))
+
+
+def _replay_after_side_copy(sim, seed: int, wait: bool) -> torch.Tensor:
+    sim.set_scheduler_seed(seed)
+    static_in = torch.zeros(4)
+    g = sim.Graph()
+    with sim.graph(g):
+        out = static_in * 10
+    copy_stream = sim.Stream()
+    pinned = sim.empty_pinned(4)
+    pinned.copy_(torch.arange(4.0))
+    with sim.stream(copy_stream):
+        static_in.copy_(pinned, non_blocking=True)
+    if wait:
+        sim.current_stream().wait_stream(copy_stream)
+    g.replay()
+    result = out.clone()
+    sim.synchronize()
+    return result
+
+
+def test_sim_replay_not_waiting_for_copy_stream_races(sim):
+    expected = torch.arange(4.0) * 10
+    right = [torch.equal(_replay_after_side_copy(sim, s, wait=False), expected) for s in range(50)]
+    assert any(right) and not all(right)
+
+
+def test_sim_replay_waiting_for_copy_stream_is_always_right(sim):
+    expected = torch.arange(4.0) * 10
+    assert all(torch.equal(_replay_after_side_copy(sim, s, wait=True), expected) for s in range(50))
+
+
+def test_sim_work_on_a_stream_outside_the_capture_is_missing_from_replay(sim):
+    x = torch.ones(4)
+    side_result = torch.zeros(4)
+    outsider = sim.Stream()
+    g = sim.Graph()
+    with sim.graph(g):
+        y = x * 2
+        with sim.stream(outsider):  # never forked into the capture: runs now, is not recorded
+            side_result.copy_(x * 7)
+    assert torch.equal(side_result, torch.full((4,), 7.0))
+    side_result.zero_()
+    x.fill_(2.0)
+    g.replay()
+    assert torch.equal(y, torch.full((4,), 4.0))
+    assert torch.equal(side_result, torch.zeros(4))
+
+
+def test_sim_rebound_and_freed_weight_makes_replay_raise_use_after_free(sim):
+    class Layer:
+        def __init__(self):
+            self.weight = torch.ones(4, 4)
+
+    layer = Layer()
+    x = torch.ones(1, 4)
+    g = sim.Graph()
+    with sim.graph(g):
+        y = x @ layer.weight
+    g.replay()
+    assert torch.equal(y, torch.full((1, 4), 4.0))
+    layer.weight = torch.zeros(4, 4)  # rebinding frees the captured weight
+    with pytest.raises(sim.UseAfterFreeError, match=r"\[4, 4\] float32.*aten\.(t|mm)"):
+        g.replay()
+
+
+def test_sim_resized_workspace_makes_replay_raise_use_after_free(sim):
+    workspace = torch.zeros(16)
+    g = sim.Graph()
+    with sim.graph(g):
+        workspace.add_(1)
+    workspace.resize_(1 << 16)  # grows: the storage moves to a new address
+    with pytest.raises(sim.UseAfterFreeError, match="reallocated"):
+        g.replay()
