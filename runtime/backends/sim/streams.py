@@ -15,8 +15,8 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(eq=False)
@@ -120,9 +120,7 @@ _stream_ids = itertools.count()
 class SimStream:
     """A queue of device work, shaped like torch.cuda.Stream."""
 
-    def __init__(
-        self, device: object = None, priority: int = 0, *, _backend: object = None
-    ) -> None:
+    def __init__(self, device: object = None, priority: int = 0, *, _backend: Any = None) -> None:
         from pytest_graphmode.runtime.backends.sim.backend import current_backend
 
         self._backend = _backend or current_backend()
