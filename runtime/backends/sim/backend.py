@@ -378,8 +378,8 @@ class SimBackend:
         self, stream: SimStream, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """Queue an operation on a side stream; its fresh outputs are poison until it runs."""
-        if ops.is_view(func):
-            return func(*args, **kwargs)
+        if ops.is_view(func) or func in ops.EMPTY_OPS:
+            return func(*args, **kwargs)  # metadata or allocation only: nothing to order
         positions = ops.fresh_return_positions(func)
         metas = ops.meta_outputs(func, args, kwargs) if positions else []
         fresh = {}
