@@ -17,3 +17,12 @@ settings.register_profile("thorough", max_examples=400, **_COMMON)
 settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default")
 )
+
+# One intra-op thread per test process: the suite runs one process per core (pytest-xdist), and
+# small tensor kernels slow down by orders of magnitude when threads oversubscribe the cores.
+try:
+    import torch
+except ImportError:  # the plugin's own tests can run without torch installed
+    pass
+else:
+    torch.set_num_threads(1)

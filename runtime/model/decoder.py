@@ -77,6 +77,24 @@ class Decoder:
         `use_adapters` selects the topology: with it, every token gets its request's adapter
         delta on the QKV projection; without it, no adapter op is issued at all.
         """
+        hidden = self.hidden(inputs, use_adapters=use_adapters, attention=attention)
+        return self.logits(hidden, inputs)
+
+    def hidden(
+        self,
+        inputs: DecoderInputs,
+        *,
+        use_adapters: bool = False,
+        attention: AttentionFn | None = None,
+        token_adapters: Tensor | None = None,
+    ) -> Tensor:
+        """The body: hidden states [T, hidden] after the last layer, before the final norm.
+
+        Everything here is token-wise except `attention`, which is why a piecewise runner can
+        capture it as graph pieces split at the attention calls. `token_adapters` ([T] adapter id
+        per token) replaces the per-request lookup for callers whose request rows vary between
+        replays of one capture.
+        """
         if use_adapters and not self.config.num_adapters:
             raise ValueError("use_adapters=True needs a DecoderConfig with num_adapters >= 1")
         attention = self.attention if attention is None else attention
@@ -84,7 +102,10 @@ class Decoder:
         num_tokens = inputs.token_ids.shape[0]
         token_ids = inputs.token_ids.clamp(0, c.vocab_size - 1)
         x = w["embed"].index_select(0, token_ids)  # [T, hidden]
-        token_adapters = self._token_adapters(inputs) if use_adapters else None
+        if use_adapters and token_adapters is None:
+            token_adapters = self.token_adapters(inputs)
+        elif not use_adapters:
+            token_adapters = None
         cos, sin = rope_angles(inputs.positions, self._inv_freq)
 
         for layer in range(c.layers):
@@ -103,14 +124,19 @@ class Decoder:
             attended = attention(layer, q, k, v, inputs, self.kv_cache)
             x = x + attended.reshape(num_tokens, c.heads * c.head_dim) @ w[p + "out"]
             x = x + silu_mlp(rms_norm(x, w[p + "mlp_norm"]), w[p + "gate_up"], w[p + "down"])
+        return x
 
+    def logits(self, hidden: Tensor, inputs: DecoderInputs) -> Tensor:
+        """float32 logits [R, vocab] at each request row's last query token."""
+        w = self._weights
+        num_tokens = hidden.shape[0]
         last = (inputs.query_start[1:] - 1).clamp(0, num_tokens - 1)  # [R]
-        final = rms_norm(x.index_select(0, last), w["final_norm"])
+        final = rms_norm(hidden.index_select(0, last), w["final_norm"])
         # float32 logits even for bfloat16 weights: bfloat16 rounding would tie top tokens often
         # enough to make greedy choices flip on round-off.
         return final.float() @ w["lm_head"].float()
 
-    def _token_adapters(self, inputs: DecoderInputs) -> Tensor:
+    def token_adapters(self, inputs: DecoderInputs) -> Tensor:
         """[T] adapter id of each token's request, clamped so padding garbage stays in range."""
         adapters = inputs.adapter_ids.index_select(0, token_requests(inputs))
         return adapters.clamp(0, self.config.num_adapters)
