@@ -7,6 +7,7 @@ deadline: a first example that captures graphs is legitimately slow.
 
 import os
 
+import torch
 from hypothesis import HealthCheck, settings
 
 _COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
@@ -20,9 +21,4 @@ settings.load_profile(
 
 # One intra-op thread per test process: the suite runs one process per core (pytest-xdist), and
 # small tensor kernels slow down by orders of magnitude when threads oversubscribe the cores.
-try:
-    import torch
-except ImportError:  # the plugin's own tests can run without torch installed
-    pass
-else:
-    torch.set_num_threads(1)
+torch.set_num_threads(1)
