@@ -15,6 +15,7 @@ checked on every replay, not only in debug builds.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -174,10 +175,8 @@ def capture_piecewise(
 def _abandon(backend: Any, current: Sequence[Any], pieces: list[Any]) -> None:
     """End a capture in progress (ignoring its error) and reset every piece."""
     for graph in current:
-        try:
+        with contextlib.suppress(RuntimeError, backend.CaptureError):
             graph.capture_end()
-        except (RuntimeError, backend.CaptureError):
-            pass
         graph.reset()
     for piece in pieces:
         piece.reset()
