@@ -1,0 +1,271 @@
+"""Persistent input buffers: one set at maximum shape, shared by every graph.
+
+Every static input lives in ONE packed device buffer; a step is staged into ONE pinned host buffer
+of the same layout and moved by ONE non_blocking copy. An event recorded after that copy is waited
+on before the host buffer is written again: without it the next step could overwrite the host
+buffer while the previous copy is still queued, and the graph would read a mix of two steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pytest_graphmode.contract import Batch, Request
+from pytest_graphmode.runtime.model import DecoderInputs
+from pytest_graphmode.runtime.padding import HostRows, PaddingPolicy, host_rows
+
+_INT64_MAX = 2**63 - 1
+_MAX_PROBLEMS = 8  # a rejected batch lists this many problems, enough to act on without a flood
+
+
+@dataclass(frozen=True, slots=True)
+class InputLimits:
+    """The maximum shape of the static inputs and the ranges valid ids must fall in."""
+
+    max_num_reqs: int
+    max_num_tokens: int
+    max_blocks_per_req: int
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    num_adapters: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_reqs", "max_num_tokens", "max_blocks_per_req", "num_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"InputLimits.{name}={getattr(self, name)} must be >= 1")
+        if self.block_size < 1 or self.vocab_size < 1 or self.num_adapters < 0:
+            raise ValueError(
+                f"InputLimits needs block_size >= 1, vocab_size >= 1, num_adapters >= 0; got "
+                f"{self.block_size}, {self.vocab_size}, {self.num_adapters}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingInputs:
+    """Per-request sampling inputs; `positions` is where the sampled token goes (= seq_lens)."""
+
+    seeds: torch.Tensor  # [R] int64, -1 = greedy
+    temperatures: torch.Tensor  # [R] float32
+    positions: torch.Tensor  # [R] int64
+
+
+def batch_problems(
+    batch: Batch, limits: InputLimits, null_block: int, padded_reqs: int, padded_tokens: int
+) -> list[str]:
+    """Every reason `batch` cannot be staged as `padded_reqs` x `padded_tokens`; empty if none."""
+    problems: list[str] = []
+    if batch.num_reqs > limits.max_num_reqs:
+        problems.append(f"{batch.num_reqs} requests exceed max_num_reqs={limits.max_num_reqs}")
+    if batch.num_tokens > limits.max_num_tokens:
+        problems.append(f"{batch.num_tokens} tokens exceed max_num_tokens={limits.max_num_tokens}")
+    if not batch.num_reqs <= padded_reqs <= limits.max_num_reqs:
+        problems.append(
+            f"padded_reqs={padded_reqs} must lie in [{batch.num_reqs} requests in the batch, "
+            f"max_num_reqs={limits.max_num_reqs}]"
+        )
+    if not batch.num_tokens <= padded_tokens <= limits.max_num_tokens:
+        problems.append(
+            f"padded_tokens={padded_tokens} must lie in [{batch.num_tokens} tokens in the batch, "
+            f"max_num_tokens={limits.max_num_tokens}]"
+        )
+    seen_ids: dict[int, int] = {}
+    written: dict[int, int] = {}
+    for row, request in enumerate(batch.requests):
+        where = f"request {request.req_id} (row {row})"
+        if request.req_id in seen_ids:
+            problems.append(f"{where}: req_id also used by row {seen_ids[request.req_id]}")
+        seen_ids[request.req_id] = row
+        own = _request_problems(request, limits, null_block)
+        problems.extend(f"{where}: {p}" for p in own)
+        if own:
+            continue  # slots of a malformed request are meaningless
+        for position in range(request.context_len, request.seq_len):
+            block = request.block_ids[position // limits.block_size]
+            slot = block * limits.block_size + position % limits.block_size
+            if slot in written:
+                problems.append(
+                    f"{where}: writes KV slot {slot} (block {block}) that row {written[slot]} "
+                    "also writes this step"
+                )
+                break
+            written[slot] = row
+    return problems
+
+
+def _request_problems(request: Request, limits: InputLimits, null_block: int) -> list[str]:
+    problems: list[str] = []
+    if not request.tokens:
+        problems.append("has no query tokens")
+    bad_tokens = [t for t in request.tokens if not _is_int(t) or not 0 <= t < limits.vocab_size]
+    if bad_tokens:
+        problems.append(
+            f"token ids {bad_tokens[:4]} outside the vocabulary [0, {limits.vocab_size})"
+        )
+    if not _is_int(request.context_len) or request.context_len < 0:
+        problems.append(f"context_len={request.context_len!r} must be an int >= 0")
+        return problems
+    blocks = request.block_ids
+    needed = math.ceil(request.seq_len / limits.block_size)
+    if len(blocks) < needed:
+        problems.append(
+            f"block table too short: {len(blocks)} blocks of {limits.block_size} slots cannot "
+            f"hold context {request.context_len} + query {request.query_len}; needs {needed}"
+        )
+    if len(blocks) > limits.max_blocks_per_req:
+        problems.append(
+            f"{len(blocks)} blocks exceed max_blocks_per_req={limits.max_blocks_per_req}"
+        )
+    bad_blocks = [b for b in blocks if not _is_int(b) or not 0 <= b < limits.num_blocks]
+    if bad_blocks:
+        problems.append(f"block ids {bad_blocks[:4]} outside [0, {limits.num_blocks})")
+    if null_block in blocks:
+        problems.append(f"uses the null block {null_block}, which belongs to padding only")
+    if len(set(blocks)) != len(blocks):
+        problems.append(f"lists a block twice in {list(blocks)}")
+    if request.seed is not None and (
+        not _is_int(request.seed) or not 0 <= request.seed <= _INT64_MAX
+    ):
+        problems.append(f"seed={request.seed!r} must be None (greedy) or an int in [0, 2**63)")
+    if not isinstance(request.temperature, (int, float)) or not (
+        math.isfinite(request.temperature) and request.temperature > 0
+    ):
+        problems.append(f"temperature={request.temperature!r} must be finite and > 0")
+    if not _is_int(request.adapter) or not 0 <= request.adapter <= limits.num_adapters:
+        problems.append(f"adapter={request.adapter!r} outside [0, {limits.num_adapters}]")
+    return problems
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class StaticInputs:
+    """The persistent inputs at maximum shape; graphs read prefixes of them through `views`."""
+
+    def __init__(self, limits: InputLimits, policy: PaddingPolicy, backend: Any) -> None:
+        if not 0 <= policy.null_block < limits.num_blocks:
+            raise ValueError(f"null_block={policy.null_block} outside [0, {limits.num_blocks})")
+        self.limits = limits
+        self.policy = policy
+        reqs, tokens, blocks = limits.max_num_reqs, limits.max_num_tokens, limits.max_blocks_per_req
+        # int64 words per field; temperatures are float32, two to a word.
+        lengths = {
+            "token_ids": tokens,
+            "positions": tokens,
+            "slot_mapping": tokens,
+            "query_start": reqs + 1,
+            "seq_lens": reqs,
+            "block_tables": reqs * blocks,
+            "adapter_ids": reqs,
+            "seeds": reqs,
+            "temperatures": (reqs + 1) // 2,
+        }
+        total = sum(lengths.values())
+        self._host = backend.empty_pinned(total, dtype=torch.int64)
+        self._device = torch.zeros(total, dtype=torch.int64, device=backend.device)
+        self._host_fields = _split(self._host, lengths, reqs, blocks)
+        self._device_fields = _split(self._device, lengths, reqs, blocks)
+        self._copied = backend.Event()
+        self._copy_pending = False
+        self.stage(Batch(()), reqs, tokens)  # every row of every field starts as padding
+
+    @property
+    def nbytes(self) -> int:
+        return self._device.numel() * self._device.element_size()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every static input at maximum shape (views of the one device buffer)."""
+        return dict(self._device_fields)
+
+    def stage(self, batch: Batch, padded_reqs: int, padded_tokens: int) -> None:
+        """Validate `batch`, then write it and its padding rows; raises ValueError, writing
+        nothing, when the batch is bad. An empty batch stages padding only (used for capture)."""
+        problems = batch_problems(
+            batch, self.limits, self.policy.null_block, padded_reqs, padded_tokens
+        )
+        if problems:
+            shown = "; ".join(problems[:_MAX_PROBLEMS])
+            more = len(problems) - _MAX_PROBLEMS
+            suffix = f"; and {more} more" if more > 0 else ""
+            raise ValueError(f"rejected batch, nothing was staged: {shown}{suffix}")
+        rows = host_rows(
+            batch,
+            padded_reqs,
+            padded_tokens,
+            block_size=self.limits.block_size,
+            max_blocks_per_req=self.limits.max_blocks_per_req,
+            policy=self.policy,
+        )
+        if self._copy_pending:
+            self._copied.synchronize()
+        self._write_host(rows)
+        # The whole buffer, whatever the step's shape: one copy of a fixed size, where copying
+        # only the used prefix of each field would take one copy per field.
+        self._device.copy_(self._host, non_blocking=True)
+        self._copied.record()
+        self._copy_pending = True
+
+    def _write_host(self, rows: HostRows) -> None:
+        for name in _INT_FIELDS:
+            values: list[int] = getattr(rows, name)
+            target = self._host_fields[name].view(-1)
+            target[: len(values)].copy_(torch.tensor(values, dtype=torch.int64))
+        temperatures = self._host_fields["temperatures"]
+        temperatures[: len(rows.temperatures)].copy_(
+            torch.tensor(rows.temperatures, dtype=torch.float32)
+        )
+
+    def views(self, padded_reqs: int, padded_tokens: int) -> DecoderInputs:
+        """The decoder's inputs for a `padded_reqs` x `padded_tokens` step (fixed addresses)."""
+        f = self._device_fields
+        return DecoderInputs(
+            token_ids=f["token_ids"][:padded_tokens],
+            positions=f["positions"][:padded_tokens],
+            slot_mapping=f["slot_mapping"][:padded_tokens],
+            query_start=f["query_start"][: padded_reqs + 1],
+            seq_lens=f["seq_lens"][:padded_reqs],
+            block_tables=f["block_tables"][:padded_reqs],
+            adapter_ids=f["adapter_ids"][:padded_reqs],
+        )
+
+    def sampling_views(self, padded_reqs: int) -> SamplingInputs:
+        f = self._device_fields
+        return SamplingInputs(
+            seeds=f["seeds"][:padded_reqs],
+            temperatures=f["temperatures"][:padded_reqs],
+            positions=f["seq_lens"][:padded_reqs],
+        )
+
+
+_INT_FIELDS = (
+    "token_ids",
+    "positions",
+    "slot_mapping",
+    "query_start",
+    "seq_lens",
+    "block_tables",
+    "adapter_ids",
+    "seeds",
+)
+
+
+def _split(
+    packed: torch.Tensor, lengths: dict[str, int], reqs: int, blocks: int
+) -> dict[str, torch.Tensor]:
+    fields: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, length in lengths.items():
+        words = packed[offset : offset + length]
+        offset += length
+        if name == "block_tables":
+            fields[name] = words.view(reqs, blocks)  # [max_reqs, max_blocks_per_req]
+        elif name == "temperatures":
+            fields[name] = words.view(torch.float32)[:reqs]
+        else:
+            fields[name] = words
+    return fields

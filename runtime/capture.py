@@ -1,0 +1,136 @@
+"""Capturing one graph for a key: warm up eagerly, then record the step into the key's pool.
+
+A FULL graph records the whole step, sampling included. A PIECEWISE graph records the decoder body
+as pieces with attention run eagerly between them (`runtime.piecewise`); the logits gather and
+sampling depend on the request rows and run eagerly after the last piece.
+
+A capture either completes or leaves nothing behind: a failure resets the graph and releases the
+key's pool view, and the caller gets the exception to record as the key's fallback reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from pytest_graphmode.runtime.buffers import SamplingInputs
+from pytest_graphmode.runtime.keys import GraphKey
+from pytest_graphmode.runtime.model import Decoder, DecoderInputs, sample
+from pytest_graphmode.runtime.piecewise import PiecewiseGraph, capture_piecewise
+
+StepFn = Callable[[], tuple[Tensor, Tensor]]
+"""Runs one step on the static inputs: (logits [R, vocab], next_tokens [R])."""
+
+
+class CapturedStep(Protocol):
+    key: GraphKey
+    seconds: float
+
+    def replay(self, num_reqs: int) -> tuple[Tensor, Tensor]:
+        """Run the step on the staged inputs; the first `num_reqs` rows, owned by the caller."""
+        ...
+
+    def reset(self) -> None: ...
+
+
+@dataclass(eq=False)
+class FullGraph:
+    """One graph for the whole step and the static outputs it writes on every replay."""
+
+    key: GraphKey
+    graph: Any  # the backend's Graph
+    logits: Tensor  # [R, vocab]; overwritten by the next replay, hence the copies
+    next_tokens: Tensor  # [R]
+    seconds: float
+
+    def replay(self, num_reqs: int) -> tuple[Tensor, Tensor]:
+        self.graph.replay()
+        return self.logits[:num_reqs].clone(), self.next_tokens[:num_reqs].clone()
+
+    def reset(self) -> None:
+        self.graph.reset()
+
+
+@dataclass(eq=False)
+class PiecewiseStep:
+    """Piecewise graph of the decoder body; logits and sampling run eagerly after it."""
+
+    key: GraphKey
+    pieces: PiecewiseGraph
+    decoder: Decoder
+    inputs: DecoderInputs
+    sampling: SamplingInputs
+    seconds: float
+
+    def replay(self, num_reqs: int) -> tuple[Tensor, Tensor]:
+        hidden = self.pieces.replay(self.inputs, self.decoder.kv_cache)  # [T, hidden]
+        logits = self.decoder.logits(hidden, self.inputs)  # fresh: the caller may keep it
+        s = self.sampling
+        next_tokens = sample(logits, s.seeds, s.temperatures, s.positions)
+        return logits[:num_reqs], next_tokens[:num_reqs]
+
+    def reset(self) -> None:
+        self.pieces.reset()
+
+
+def warm_up(backend: Any, run: Callable[[], object]) -> None:
+    """Run the step eagerly once on a side stream, as PyTorch recommends before a capture, so
+    lazy initialisation and workspace allocation happen outside the graph.
+
+    It runs on the inputs staged now: a real batch when a step captures on first use. Its KV
+    writes are exactly the ones the replay that follows repeats, so the step's result and the
+    cache are the same as with one run."""
+    side = backend.Stream()
+    side.wait_stream(backend.current_stream())
+    with backend.stream(side):
+        run()
+    backend.current_stream().wait_stream(side)
+
+
+def capture_full(backend: Any, key: GraphKey, run: StepFn, memory: Any) -> FullGraph:
+    """Warm up, then capture `run` as the graph of `key`."""
+    started = time.perf_counter()
+    warm_up(backend, run)
+    graph = backend.Graph()
+    try:
+        with backend.graph(graph, pool=memory.pool_for(key)):
+            logits, next_tokens = run()
+    except Exception:
+        graph.reset()
+        memory.discard(key)
+        raise
+    memory.captured(key)
+    return FullGraph(key, graph, logits, next_tokens, time.perf_counter() - started)
+
+
+def capture_pieces(
+    backend: Any,
+    key: GraphKey,
+    decoder: Decoder,
+    inputs: DecoderInputs,
+    sampling: SamplingInputs,
+    memory: Any,
+) -> PiecewiseStep:
+    """Warm up, then capture the decoder body on `inputs` as the piecewise graph of `key`."""
+    started = time.perf_counter()
+    warm_up(backend, lambda: decoder.forward(inputs, use_adapters=key.adapters))
+    try:
+        pieces = capture_piecewise(
+            backend,
+            inputs,
+            lambda attention: decoder.hidden(
+                inputs, use_adapters=key.adapters, attention=attention
+            ),
+            decoder.attention,
+            pool=memory.pool_for(key),
+        )
+    except Exception:
+        memory.discard(key)
+        raise
+    memory.captured(key)
+    seconds = time.perf_counter() - started
+    return PiecewiseStep(key, pieces, decoder, inputs, sampling, seconds)
