@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from pytest_graphmode.runtime.backends.errors import capture_error_of
 from pytest_graphmode.runtime.model import DecoderInputs
 from pytest_graphmode.runtime.model.attention import AttentionFn
 
@@ -157,8 +158,11 @@ def capture_piecewise(
             begin()
             hidden = body(graph_break)
             end()
-        except BaseException:
+        except BaseException as exc:
             _abandon(backend, current, pieces)
+            error = capture_error_of(exc)
+            if error is not None and error is not exc:
+                raise error from exc
             raise
     backend.current_stream().wait_stream(stream)
     return PiecewiseGraph(

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
+from pytest_graphmode.runtime.backends.errors import (
+    CaptureError,
+    UseAfterFreeError,
+    capture_error_of,
+)
 
 BACKEND_NAMES = ("auto", "cuda", "sim")
 _instances: dict[str, Any] = {}
@@ -47,4 +51,12 @@ def get(name: str = "auto") -> Any:
     return _instances[concrete]
 
 
-__all__ = ["BACKEND_NAMES", "CaptureError", "UseAfterFreeError", "cuda_available", "get", "resolve"]
+__all__ = [
+    "BACKEND_NAMES",
+    "CaptureError",
+    "UseAfterFreeError",
+    "capture_error_of",
+    "cuda_available",
+    "get",
+    "resolve",
+]

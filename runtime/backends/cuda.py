@@ -11,18 +11,11 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
-from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
-
-_CAPTURE_MARKERS = (
-    "capturing",
-    "capture",
-    "cudaErrorStreamCapture",
-    "operation not permitted when stream is capturing",
+from pytest_graphmode.runtime.backends.errors import (
+    CaptureError,
+    UseAfterFreeError,
+    capture_error_of,
 )
-
-
-def _is_capture_error(exc: BaseException) -> bool:
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _CAPTURE_MARKERS)
 
 
 class CudaBackend:
@@ -67,8 +60,9 @@ class CudaBackend:
             yield cuda_graph
         except BaseException as exc:
             self._close_failed_capture(ctx, cuda_graph, exc)
-            if _is_capture_error(exc):
-                raise CaptureError(f"capture failed: {exc}") from exc
+            error = capture_error_of(exc)
+            if error is not None and error is not exc:
+                raise error from exc
             raise
         try:
             ctx.__exit__(None, None, None)

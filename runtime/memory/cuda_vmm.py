@@ -16,6 +16,7 @@ physical chunks are released on `close()`; the driver frees each one when its la
 from __future__ import annotations
 
 import ctypes
+import gc
 import itertools
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
@@ -248,6 +249,9 @@ class CudaVmmPool:
         maps them any more)."""
         if self._closed:
             return
+        # Graphs caught in reference cycles (torch's capture context keeps some) still hold their
+        # pools until the cycle collector runs; collect first so their segments can come back.
+        gc.collect()
         for key in list(self._views):
             self.discard(key)
         # Views discarded earlier may have lost their last tensors since: hand those segments back.
