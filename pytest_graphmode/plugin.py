@@ -10,6 +10,8 @@ import os
 import random
 import shutil
 import subprocess
+import sys
+from collections.abc import Generator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -68,11 +70,9 @@ SUMMARY_KEY = pytest.StashKey[SessionSummary]()
 
 def resolve_backend(option: str) -> str:
     """`auto` -> `cuda` where torch sees a GPU, else `sim`; `sim` and `cuda` stay as they are."""
-    if option not in BACKENDS:
-        raise ValueError(f"backend {option!r} is not one of {BACKENDS}")
-    if option != "auto":
-        return option
-    return "cuda" if _cuda_available() else "sim"
+    from pytest_graphmode.runtime.backends import resolve
+
+    return str(resolve(option))
 
 
 def settings_of(config: pytest.Config) -> GraphmodeSettings:
@@ -127,7 +127,9 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     settings = settings_of(config)
     if not settings.fuzz:
         return None
-    asked = "" if settings.backend_option == settings.backend else f" (asked {settings.backend_option})"
+    asked = (
+        "" if settings.backend_option == settings.backend else f" (asked {settings.backend_option})"
+    )
     seed_origin = "given" if settings.seed_given else "random; rerun with --graphmode-seed"
     return (
         f"graphmode: backend={settings.backend}{asked} target={settings.target} "
@@ -155,6 +157,21 @@ def pytest_collection_modifyitems(
         no_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
         for item in cuda_items:
             item.add_marker(no_gpu)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    fuzz = sys.modules.get("pytest_graphmode.fuzz")  # loaded wherever a campaign could fail
+    if fuzz is not None and call.excinfo is not None and report.failed:
+        failure = call.excinfo.value
+        if isinstance(failure, fuzz.GraphmodeFailure):
+            # The message already says what to act on (check, step, values, replay snippet);
+            # the engine's traceback would only bury it.
+            report.longrepr = str(failure)
+    return report
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -267,16 +284,8 @@ def _run_facts(settings: GraphmodeSettings) -> dict[str, Any]:
 
 
 def _builtin_items(session: pytest.Session) -> list[pytest.Item]:
-    module = pytest.Module.from_parent(session, path=BUILTIN_SUITE)
-    items: list[pytest.Item] = []
-    pending: list[pytest.Collector] = [module]
-    while pending:
-        for node in pending.pop(0).collect():
-            if isinstance(node, pytest.Item):
-                items.append(node)
-            else:
-                pending.append(node)
-    return items
+    # genitems reports the collection like any other file's, so counts and errors show as usual.
+    return list(session.genitems(pytest.Module.from_parent(session, path=BUILTIN_SUITE)))
 
 
 def _cuda_available() -> bool:

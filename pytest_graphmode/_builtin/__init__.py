@@ -1,0 +1,1 @@
+"""The built-in fuzz suite `pytest --graphmode-fuzz` runs where a project has no fuzz tests."""

@@ -1,0 +1,177 @@
+"""Fixtures the plugin registers: the backend, the target factory, twins, and a campaign runner.
+
+All of them follow the run's options (`--graphmode-backend`, `--graphmode-target`,
+`--graphmode-seed`, `--graphmode-profile`, ...). torch and the fuzz engine are imported only when a
+fixture is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import pytest
+
+from pytest_graphmode.contract import GraphTarget, TargetFactory
+from pytest_graphmode.loader import TargetError, check_target, load_factory
+from pytest_graphmode.plugin import PROFILES, resolve_backend, settings_of, summary_of
+from pytest_graphmode.report import ProgressLine
+
+if TYPE_CHECKING:
+    from hypothesis import settings as HypothesisSettings
+
+    from pytest_graphmode.fuzz import CampaignStats
+
+
+class Twins(NamedTuple):
+    """A graph-mode and an eager target made with the same seed: same weights, same state."""
+
+    graph: GraphTarget
+    eager: GraphTarget
+
+
+def hypothesis_settings(profile: str, *, max_examples: int) -> HypothesisSettings:
+    """The `graphmode-<profile>` Hypothesis settings with this campaign's number of examples."""
+    from hypothesis import settings
+
+    return settings(hypothesis_profile(profile), max_examples=max_examples)
+
+
+def hypothesis_profile(profile: str) -> HypothesisSettings:
+    """The Hypothesis settings of `graphmode-<profile>`, registering all three profiles.
+
+    No per-example deadline: an example that captures graphs is legitimately slow. None of them is
+    derandomized: a campaign is reproducible through its seed, which the plugin always passes.
+    """
+    from hypothesis import HealthCheck, settings
+
+    for name, (examples, _steps) in PROFILES.items():
+        settings.register_profile(
+            f"graphmode-{name}",
+            max_examples=examples,
+            deadline=None,
+            derandomize=False,
+            database=None,  # a failure is reproduced from its replay snippet, not a local cache
+            report_multiple_bugs=False,
+            suppress_health_check=list(HealthCheck),
+        )
+    return settings.get_profile(f"graphmode-{profile}")
+
+
+class GraphmodeFuzz:
+    """The value of the `graphmode_fuzz` fixture: `graphmode_fuzz(factory, **options)` runs the
+    stock campaign, adds it to the session summary and raises `GraphmodeFailure` on a failed check.
+
+    Options left out come from the run's options; `settings` (Hypothesis settings) replaces the
+    profile's entirely, as in `run_campaign`.
+    """
+
+    def __init__(self, config: pytest.Config) -> None:
+        self._config = config
+
+    def __call__(
+        self,
+        factory: TargetFactory,
+        *,
+        backend: str | None = None,
+        max_examples: int | None = None,
+        max_steps: int | None = None,
+        seed: int | None = None,
+        features: frozenset[str] | None = None,
+        settings: HypothesisSettings | None = None,
+        label: str = "campaign",
+    ) -> CampaignStats:
+        from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
+
+        run = settings_of(self._config)
+        examples = run.examples if max_examples is None else max_examples
+        progress = self._progress_line(label)
+        try:
+            stats = run_campaign(
+                factory,
+                backend=resolve_backend(backend) if backend else run.backend,
+                max_examples=examples,
+                max_steps=run.steps if max_steps is None else max_steps,
+                seed=run.seed if seed is None else seed,
+                features=features,
+                progress=lambda s: progress.update(s.examples, s.steps, len(s.failures)),
+                settings=settings or hypothesis_settings(run.profile, max_examples=examples),
+            )
+        except GraphmodeFailure as exc:
+            summary = summary_of(self._config)
+            if exc.stats is None:
+                summary.add_failure(dataclasses.asdict(exc.failure))
+            else:
+                summary.add_campaign(exc.stats.to_json())
+            raise
+        finally:
+            progress.finish()
+        summary_of(self._config).add_campaign(stats.to_json())
+        return stats
+
+    def _progress_line(self, label: str) -> ProgressLine:
+        reporter = self._config.pluginmanager.get_plugin("terminalreporter")
+        capture = self._config.pluginmanager.get_plugin("capturemanager")
+        if reporter is None:  # nobody would see the line, e.g. on an xdist worker
+            return ProgressLine(write=lambda line: None, newline=lambda: None, label=label)
+
+        def live(draw: Callable[[], None]) -> None:
+            if capture is None:
+                draw()
+                return
+            # Output capture would swallow a line written during the test call.
+            with capture.global_and_fixture_disabled():
+                draw()
+
+        return ProgressLine(
+            write=lambda line: live(lambda: reporter.rewrite(line, erase=True)),
+            newline=lambda: live(lambda: reporter.line("")),
+            label=label,
+        )
+
+
+@pytest.fixture(scope="session")
+def graphmode_backend(pytestconfig: pytest.Config) -> Any:
+    """The backend object (`sim` or `cuda`) of `--graphmode-backend`."""
+    from pytest_graphmode.runtime import backends
+
+    return backends.get(settings_of(pytestconfig).backend)
+
+
+@pytest.fixture(scope="session")
+def graphmode_target_factory(pytestconfig: pytest.Config) -> TargetFactory:
+    """The factory named by `--graphmode-target` (or ini `graphmode_target`)."""
+    try:
+        return load_factory(settings_of(pytestconfig).target)
+    except TargetError as exc:
+        raise pytest.UsageError(f"--graphmode-target / graphmode_target: {exc}") from exc
+
+
+@pytest.fixture
+def graphmode_twins(
+    pytestconfig: pytest.Config, graphmode_target_factory: TargetFactory
+) -> Iterator[Twins]:
+    """A graph and an eager target from the configured factory, same seed; closed afterwards."""
+    settings = settings_of(pytestconfig)
+    graph = graphmode_target_factory("graph", seed=settings.seed, backend=settings.backend)
+    try:
+        eager = graphmode_target_factory("eager", seed=settings.seed, backend=settings.backend)
+    except BaseException:
+        graph.close()
+        raise
+    try:
+        check_target(graph)
+        check_target(eager)
+        yield Twins(graph, eager)
+    finally:
+        try:
+            graph.close()
+        finally:
+            eager.close()
+
+
+@pytest.fixture
+def graphmode_fuzz(pytestconfig: pytest.Config) -> GraphmodeFuzz:
+    """Run the stock campaign against a factory you pass: `graphmode_fuzz(make_target)`."""
+    return GraphmodeFuzz(pytestconfig)

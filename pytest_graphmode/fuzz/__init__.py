@@ -1,0 +1,64 @@
+"""The fuzz engine: drive a graph twin and an eager twin of any runner in lockstep and prove, on
+every step, that replay matches eager, padding rows have no side effects and address views never
+collide.
+
+Public API (stable; the pytest plugin is built on it):
+
+- `run_campaign(factory, *, backend="sim", max_examples=50, max_steps=12, seed=None,
+  features=None, progress=None, settings=None) -> CampaignStats`: Hypothesis draws schedules of
+  legal batches and stressors; the first failure is shrunk to its smallest schedule and raised as
+  `GraphmodeFailure` (its `.stats` holds the statistics so far).
+- `replay(batches, *, factory, backend="sim", seed=0) -> CampaignStats`: re-run a concrete
+  schedule (a list of `Batch`, optionally with `Stress` events) with every check; a failure's
+  `replay_snippet` is such a call.
+- `CampaignStats`: examples, steps, buckets_hit, paths, fallback_reasons, checks_run, failures,
+  seconds; `merge(other)` (xdist aggregation) and `to_json()`.
+- `Failure(check, step, message, seed, replay_snippet)`, and `GraphmodeFailure(AssertionError)`
+  with `.failure` and `.stats`.
+- `CHECKS`: the check names, in the order they run within a step.
+
+`factory` is a `TargetFactory`: `factory(mode, *, seed, backend) -> GraphTarget`. Every target
+made is closed, also when a check fails.
+
+How each bug class of BUG_CLASSES.md is provoked (before the arrow) and seen (after it):
+
+1. padding rows: poisoned static buffers holding live block/slot ids, a NaN null block
+   -> kv_writes_confined, padding_inert
+2. randomness: sampled requests in other buckets, padding and company
+   -> replay_matches_eager, sampling_independent
+3. stale buffers: every static buffer poisoned before every step -> padding_inert
+4. host values: replays of other contents and lengths than the capture batch
+   -> replay_matches_eager, states_match
+5. graph key: same-size steps of another kind, query length or adapter mix
+   -> replay_matches_eager
+6. addresses: allocator churn, eager steps above the largest capture size
+   -> replay_matches_eager, padding_inert
+7. aliasing: results kept across the next step -> results_stay_valid
+8. async staging: cuda: a sleep kernel before the step; sim: a reseeded stream order
+   -> replay_matches_eager
+9. pool accounting: several buckets captured per example
+   -> pool_within_bound, address_views_disjoint
+10. capture coverage: fresh inputs on every replay after capture
+   -> replay_matches_eager, states_match
+11. cross-rank consistency: not driven (one process, one rank)
+12. piecewise: prefill, mixed and oversized steps on a piecewise runner
+   -> replay_matches_eager, kv_writes_confined
+"""
+
+from pytest_graphmode.fuzz.campaign import run_campaign
+from pytest_graphmode.fuzz.failure import Failure, GraphmodeFailure
+from pytest_graphmode.fuzz.replay import replay
+from pytest_graphmode.fuzz.stats import CampaignStats
+
+CHECKS = (
+    "kv_writes_confined",
+    "replay_matches_eager",
+    "padding_inert",
+    "states_match",
+    "results_stay_valid",
+    "address_views_disjoint",
+    "pool_within_bound",
+    "sampling_independent",
+)
+
+__all__ = ["CHECKS", "CampaignStats", "Failure", "GraphmodeFailure", "replay", "run_campaign"]

@@ -1,0 +1,109 @@
+"""`run_campaign`: Hypothesis draws schedules, the lockstep driver checks them, shrinking finds
+the smallest failing one.
+
+Why `@given` over drawn schedules rather than a `RuleBasedStateMachine`: a schedule here is a pure
+value (a list of step plans) that a deterministic scheduler compiles into legal batches, and any
+sub-list compiles to legal batches too. Hypothesis therefore shrinks it by deleting and
+simplifying steps with no preconditions to re-check, the shrunk schedule *is* the replay snippet,
+and a failing example re-runs through exactly the code path `replay` uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import hypothesis
+from hypothesis import HealthCheck, Phase
+from hypothesis import strategies as st
+
+from pytest_graphmode.contract import TargetFactory, TargetSpec
+from pytest_graphmode.fuzz.failure import GraphmodeFailure
+from pytest_graphmode.fuzz.machine import Lockstep
+from pytest_graphmode.fuzz.stats import CampaignStats
+from pytest_graphmode.strategies.plans import StepPlan
+from pytest_graphmode.strategies.scheduler import compile_schedule
+from pytest_graphmode.strategies.schedules import schedules
+
+
+def target_spec(factory: TargetFactory, backend: str) -> TargetSpec:
+    """The spec of the factory's targets (one eager target is made and closed to read it)."""
+    probe = factory("eager", seed=0, backend=backend)
+    try:
+        return probe.spec
+    finally:
+        probe.close()
+
+
+def _restricted(spec: TargetSpec, features: frozenset[str] | None) -> TargetSpec:
+    if features is None:
+        return spec
+    missing = set(features) - spec.features
+    if missing:
+        raise ValueError(
+            f"the target does not support features {sorted(missing)}; it offers "
+            f"{sorted(spec.features)}"
+        )
+    return dataclasses.replace(spec, features=frozenset(features))
+
+
+def default_settings(max_examples: int) -> hypothesis.settings:
+    return hypothesis.settings(
+        max_examples=max_examples,
+        deadline=None,  # the first steps of an example capture graphs: slow by design
+        database=None,  # a failure is reproduced from its replay snippet, not from a cache
+        report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck),
+        # no "explain": it re-runs hundreds of variants of the shrunk schedule, and the replay
+        # snippet already is the explanation
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+    )
+
+
+def run_campaign(
+    factory: TargetFactory,
+    *,
+    backend: str = "sim",
+    max_examples: int = 50,
+    max_steps: int = 12,
+    seed: int | None = None,
+    features: frozenset[str] | None = None,
+    progress: Callable[[CampaignStats], None] | None = None,
+    settings: hypothesis.settings | None = None,
+) -> CampaignStats:
+    """Fuzz `factory`'s targets; return the statistics, or raise `GraphmodeFailure` (carrying
+    them as `.stats`) for the first failure, shrunk to its smallest schedule.
+
+    `features` restricts what the schedules use to a subset of the target's features. `settings`,
+    when given, replaces the default Hypothesis settings entirely (`max_examples` is then
+    ignored). `seed` makes the campaign reproducible.
+    """
+    spec = _restricted(target_spec(factory, backend), features)
+    stats = CampaignStats()
+    started = time.perf_counter()
+
+    @hypothesis.given(plans=schedules(spec, max_steps), example_seed=st.integers(0, 2**31 - 1))
+    def example(plans: list[StepPlan], example_seed: int) -> None:
+        events = compile_schedule(spec, plans, seed=example_seed)
+        stats.examples += 1
+        lockstep = Lockstep(factory, backend=backend, seed=example_seed, stats=stats)
+        try:
+            lockstep.run(events)
+        finally:
+            lockstep.close()
+            if progress is not None:
+                progress(stats)
+
+    example = (settings or default_settings(max_examples))(example)
+    if seed is not None:
+        example = hypothesis.seed(seed)(example)
+    try:
+        example()
+    except GraphmodeFailure as failed:
+        stats.failures.append(failed.failure)
+        failed.stats = stats
+        raise
+    finally:
+        stats.seconds += time.perf_counter() - started
+    return stats

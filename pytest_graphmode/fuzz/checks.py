@@ -1,0 +1,223 @@
+"""Per-step oracles on what a step returns: pure functions over its batch, results and states.
+
+They know nothing about a runner's internals, so they judge any `GraphTarget`. Each returns the
+violations it found (empty when the step is fine); the first one fails the campaign. Check names
+are public: reports, statistics and users' filters refer to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pytest_graphmode.contract import Batch, StepResult, TargetSpec
+from pytest_graphmode.fuzz.kv_checks import State, row_mask, slot_major, valid_slots
+from pytest_graphmode.fuzz.tolerance import SAMPLED_AGREEMENT, row_tolerance, same_bits
+from pytest_graphmode.fuzz.violation import Violation, differences
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one twin's step produced: a result, or the traceback of what it raised."""
+
+    result: StepResult | None
+    error: str | None = None
+
+
+def _shape_problem(batch: Batch, result: StepResult, spec: TargetSpec) -> str | None:
+    want = (batch.num_reqs, spec.vocab_size)
+    if tuple(result.logits.shape) != want:
+        return f"logits have shape {tuple(result.logits.shape)}, want {want}"
+    if tuple(result.next_tokens.shape) != (batch.num_reqs,):
+        return f"next_tokens have shape {tuple(result.next_tokens.shape)}, want {(batch.num_reqs,)}"
+    return None
+
+
+def replay_matches_eager(
+    batch: Batch, graph: Outcome, eager: Outcome, spec: TargetSpec
+) -> list[Violation]:
+    """Graph logits are finite and match eager within tolerance; tokens match where decidable."""
+    name = "replay_matches_eager"
+    if graph.error or eager.error:
+        if graph.error and eager.error:
+            detail = f"both twins raised on a legal batch; eager twin's error:\n{eager.error}"
+        elif graph.error:
+            detail = f"graph_raised: the graph twin raised, the eager twin did not:\n{graph.error}"
+        else:
+            detail = f"eager_raised: the eager twin raised, the graph twin did not:\n{eager.error}"
+        return [Violation(name, detail)]
+    assert graph.result is not None and eager.result is not None
+    for twin, result in (("graph", graph.result), ("eager", eager.result)):
+        problem = _shape_problem(batch, result, spec)
+        if problem:
+            return [Violation(name, f"{twin} twin: {problem}")]
+    g, e = graph.result.logits.detach().cpu(), eager.result.logits.detach().cpu()
+    for twin, logits in (("graph", g), ("eager", e)):
+        finite = logits.isfinite().all(dim=-1)
+        if not bool(finite.all()):
+            row = int((~finite).nonzero()[0])
+            return [
+                _row_violation(
+                    name,
+                    f"{twin} twin's logits are not finite",
+                    batch,
+                    row,
+                    "finite logits",
+                    differences(logits[row], logits[row], logits[row].isfinite())["actual"],
+                )
+            ]
+    tol = row_tolerance(e)
+    far = (g.float() - e.float()).abs() > tol[:, None]
+    if bool(far.any()):
+        row, col = (int(i) for i in far.nonzero()[0])
+        return [
+            _row_violation(
+                name,
+                f"graph logit {col} differs from eager beyond tolerance {tol[row]:.3g}",
+                batch,
+                row,
+                f"{float(e[row, col])!r}",
+                f"{float(g[row, col])!r}",
+            )
+        ]
+    return _token_violations(name, batch, graph.result, eager.result, e, g, tol)
+
+
+def _token_violations(
+    name: str,
+    batch: Batch,
+    graph: StepResult,
+    eager: StepResult,
+    e: torch.Tensor,
+    g: torch.Tensor,
+    tol: torch.Tensor,
+) -> list[Violation]:
+    gt, et = graph.next_tokens.cpu().tolist(), eager.next_tokens.cpu().tolist()
+    top2 = e.float().topk(min(2, e.shape[-1]), dim=-1).values
+    margin = top2[:, 0] - top2[:, -1]
+    gap = (g.float() - e.float()).abs().amax(dim=-1)
+    for row, request in enumerate(batch.requests):
+        if not 0 <= gt[row] < e.shape[-1]:
+            return [
+                _row_violation(
+                    name,
+                    "graph twin's next token is outside the vocabulary",
+                    batch,
+                    row,
+                    f"in [0, {e.shape[-1]})",
+                    str(gt[row]),
+                )
+            ]
+        if request.seed is None:
+            decidable = e.shape[-1] == 1 or bool(margin[row] > 2 * tol[row])
+            why = "greedy token differs although eager's top-2 margin exceeds the tolerance"
+        else:
+            decidable = bool(gap[row] <= SAMPLED_AGREEMENT * request.temperature)
+            why = f"sampled token (seed {request.seed}) differs although the logits agree"
+        if decidable and gt[row] != et[row]:
+            return [_row_violation(name, why, batch, row, str(et[row]), str(gt[row]))]
+    return []
+
+
+def _row_violation(
+    name: str, detail: str, batch: Batch, row: int, expected: str | None, actual: str | None
+) -> Violation:
+    req_id = batch.requests[row].req_id if row < batch.num_reqs else None
+    return Violation(name, detail, req_id=req_id, row=row, expected=expected, actual=actual)
+
+
+def padding_inert(
+    batch: Batch,
+    poisoned: Outcome,
+    clean: Outcome,
+    poisoned_after: State,
+    clean_after: State,
+    spec: TargetSpec,
+) -> list[Violation]:
+    """Valid rows and valid KV slots are bit-identical whether or not padding rows, static
+    buffers and the null block were poisoned before the step."""
+    name = "padding_inert"
+    if poisoned.result is None or clean.result is None:
+        if poisoned.error and not clean.error:
+            return [
+                Violation(
+                    name,
+                    f"the poisoned graph twin raised, the clean one did not:\n{poisoned.error}",
+                )
+            ]
+        return []
+    p, c = poisoned.result, clean.result
+    if p.path != c.path or p.graph_key != c.graph_key:
+        return [
+            Violation(
+                name,
+                "poisoning changed the dispatch",
+                expected=f"{c.path} {c.graph_key}",
+                actual=f"{p.path} {p.graph_key}",
+            )
+        ]
+    equal = same_bits(p.logits.detach().cpu(), c.logits.detach().cpu()).all(dim=-1)
+    equal &= p.next_tokens.cpu() == c.next_tokens.cpu()
+    if not bool(equal.all()):
+        row = int((~equal).nonzero()[0])
+        return [
+            _row_violation(
+                name,
+                "a valid row changed when padding and static buffers were poisoned",
+                batch,
+                row,
+                *_token_and_logits(c, p, row),
+            )
+        ]
+    slots = list(valid_slots(batch, spec))
+    for key, expected in clean_after.items():
+        actual = poisoned_after.get(key)
+        if actual is None or not slot_major(expected, spec) or actual.shape != expected.shape:
+            continue
+        rows = row_mask(same_bits(actual[slots], expected[slots]))
+        if not bool(rows.all()):
+            slot = slots[int((~rows).nonzero()[0])]
+            return [
+                Violation(
+                    name,
+                    f"valid KV slot {slot} of {key!r} holds other bits when the "
+                    f"graph twin was poisoned",
+                    slot=slot,
+                    req_id=valid_slots(batch, spec)[slot],
+                    **differences(expected[slot], actual[slot]),
+                )
+            ]
+    return []
+
+
+def _token_and_logits(expected: StepResult, actual: StepResult, row: int) -> tuple[str, str]:
+    texts = differences(expected.logits[row], actual.logits[row])
+    return (
+        f"token {int(expected.next_tokens[row])}, logit {texts['expected']}",
+        f"token {int(actual.next_tokens[row])}, logit {texts['actual']}",
+    )
+
+
+def results_stay_valid(
+    kept: StepResult, snapshot: tuple[torch.Tensor, torch.Tensor], kept_step: int
+) -> list[Violation]:
+    """A result returned at `kept_step` is unchanged after the next step (no aliasing of graph
+    outputs); `snapshot` holds clones of its logits and next_tokens taken when it was returned."""
+    for field, now, then in (
+        ("logits", kept.logits, snapshot[0]),
+        ("next_tokens", kept.next_tokens, snapshot[1]),
+    ):
+        equal = same_bits(now.detach().cpu(), then)
+        if not bool(equal.all()):
+            row = int((~equal).reshape(equal.shape[0], -1).any(dim=1).nonzero()[0])
+            return [
+                Violation(
+                    "results_stay_valid",
+                    f"the {field} returned at step {kept_step} changed during the next step: the "
+                    f"result aliases a buffer the runner reuses; return a copy",
+                    row=row,
+                    **differences(then[row], now[row]),
+                )
+            ]
+    return []

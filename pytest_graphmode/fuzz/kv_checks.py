@@ -1,0 +1,127 @@
+"""Per-step oracles on slot-major state (KV caches): who may write which slot, and whether the
+twins' states agree. Pure functions over a step's batch and state snapshots, like `checks`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from pytest_graphmode.contract import Batch, TargetSpec
+from pytest_graphmode.fuzz.tolerance import same_bits, within
+from pytest_graphmode.fuzz.violation import Violation, differences
+
+State = Mapping[str, torch.Tensor]
+
+
+def valid_slots(batch: Batch, spec: TargetSpec) -> dict[int, int]:
+    """Slot -> req_id for every position a step writes (context_len..seq_len-1 per request)."""
+    size = spec.block_size
+    slots = {}
+    for request in batch.requests:
+        for pos in range(request.context_len, request.seq_len):
+            slots[request.block_ids[pos // size] * size + pos % size] = request.req_id
+    return slots
+
+
+def slot_major(tensor: torch.Tensor, spec: TargetSpec) -> bool:
+    return tensor.dim() > 0 and tensor.shape[0] == spec.num_slots
+
+
+def row_mask(equal: torch.Tensor) -> torch.Tensor:
+    return equal.reshape(equal.shape[0], -1).all(dim=1)
+
+
+def _owner_text(block: int, batch: Batch, spec: TargetSpec) -> str:
+    if block == spec.null_block:
+        return "the null block"
+    for request in batch.requests:
+        if block in request.block_ids:
+            return f"block {block}, owned by req {request.req_id}"
+    return f"block {block}, owned by no request of this step (free, or a waiting request's)"
+
+
+def kv_writes_confined(
+    batch: Batch, before: State, after: State, spec: TargetSpec, twin: str = "graph"
+) -> list[Violation]:
+    """Only the step's valid slots and the null block's slots may change in slot-major state."""
+    allowed = torch.zeros(spec.num_slots, dtype=torch.bool)
+    allowed[list(valid_slots(batch, spec))] = True
+    null = spec.null_block * spec.block_size
+    allowed[null : null + spec.block_size] = True
+    for key, new in after.items():
+        old = before.get(key)
+        if old is None or not slot_major(new, spec) or old.shape != new.shape:
+            continue
+        changed = ~row_mask(same_bits(old, new.detach().cpu()))
+        stray = changed & ~allowed
+        if bool(stray.any()):
+            slot = int(stray.nonzero()[0])
+            where = _owner_text(slot // spec.block_size, batch, spec)
+            return [
+                Violation(
+                    "kv_writes_confined",
+                    f"{twin} twin changed {key!r} at slot {slot} ({where}), which this step "
+                    f"does not write",
+                    slot=slot,
+                    **differences(old[slot], new[slot]),
+                )
+            ]
+    return []
+
+
+def states_match(
+    batch: Batch, graph_after: State, eager_after: State, spec: TargetSpec
+) -> list[Violation]:
+    """The twins' states agree after the step (dtype tolerance; exact for integers). The null
+    block is padding's sink and is not compared."""
+    name = "states_match"
+    if set(graph_after) != set(eager_after):
+        return [
+            Violation(
+                name,
+                "the twins' state() keys differ",
+                expected=str(sorted(eager_after)),
+                actual=str(sorted(graph_after)),
+            )
+        ]
+    null = spec.null_block * spec.block_size
+    for key, expected in eager_after.items():
+        actual = graph_after[key].detach().cpu()
+        if actual.shape != expected.shape or actual.dtype != expected.dtype:
+            return [
+                Violation(
+                    name,
+                    f"state {key!r} has another shape or dtype",
+                    expected=f"{tuple(expected.shape)} {expected.dtype}",
+                    actual=f"{tuple(actual.shape)} {actual.dtype}",
+                )
+            ]
+        equal = within(actual, expected)
+        if slot_major(expected, spec):
+            rows = row_mask(equal)
+            rows[null : null + spec.block_size] = True
+            if not bool(rows.all()):
+                slot = int((~rows).nonzero()[0])
+                where = _owner_text(slot // spec.block_size, batch, spec)
+                return [
+                    Violation(
+                        name,
+                        f"state {key!r} differs at slot {slot} ({where})",
+                        slot=slot,
+                        **differences(
+                            expected[slot], actual[slot], within(actual[slot], expected[slot])
+                        ),
+                    )
+                ]
+        elif not bool(equal.all()):
+            index = tuple(int(i) for i in (~equal).nonzero()[0])
+            return [
+                Violation(
+                    name,
+                    f"state {key!r} differs at index {index}",
+                    expected=str(expected[index]),
+                    actual=str(actual[index]),
+                )
+            ]
+    return []

@@ -1,0 +1,212 @@
+"""The lockstep driver: runs one schedule through four twins of a target and checks every step.
+
+Twins, all made by the same factory with the same seed (hence the same weights and state):
+- `graph`: graph mode, poisoned before every step (static buffers, null block), stressed;
+- `eager`: eager mode, the reference; its null block is poisoned too;
+- `clean`: graph mode, never poisoned; `padding_inert` demands bit-identical valid rows;
+- `company`: eager mode, never poisoned, runs only the sampled requests (see `sampling.py`);
+  made only for targets with the "sampling" feature.
+Only the two graph twins capture graphs: capture dominates the cost of an example.
+"""
+
+from __future__ import annotations
+
+import random
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+
+from pytest_graphmode.contract import Batch, GraphTarget, StepResult, TargetFactory, TargetSpec
+from pytest_graphmode.fuzz import addresses, checks, kv_checks, sampling
+from pytest_graphmode.fuzz.checks import Outcome
+from pytest_graphmode.fuzz.failure import Failure, GraphmodeFailure, replay_snippet
+from pytest_graphmode.fuzz.stats import CampaignStats
+from pytest_graphmode.fuzz.violation import Violation
+from pytest_graphmode.strategies import stressors
+from pytest_graphmode.strategies.plans import Stress
+
+State = dict[str, torch.Tensor]
+_Kept = tuple[StepResult, tuple[torch.Tensor, torch.Tensor], int]
+
+
+def bucket_for(spec: TargetSpec, num_tokens: int) -> int:
+    """The capture size a padded graph would use for `num_tokens`; 0 above the largest."""
+    return next((size for size in spec.capture_sizes if size >= num_tokens), 0)
+
+
+def _snapshot(state: Mapping[str, torch.Tensor]) -> State:
+    return {key: value.detach().to("cpu", copy=True) for key, value in state.items()}
+
+
+def _step(target: GraphTarget, batch: Batch) -> Outcome:
+    try:
+        return Outcome(target.step(batch))
+    except Exception:  # a runner's failure is a finding, reported with its traceback
+        return Outcome(None, traceback.format_exc())
+
+
+class Lockstep:
+    """Owns the twins of one example; `run` raises `GraphmodeFailure` on the first violation."""
+
+    def __init__(
+        self, factory: TargetFactory, *, backend: str, seed: int, stats: CampaignStats
+    ) -> None:
+        from pytest_graphmode.runtime import backends
+
+        self.backend: Any = backends.get(backend)
+        self.backend.set_scheduler_seed(seed)
+        self._factory, self._backend_name, self.seed, self.stats = factory, backend, seed, stats
+        self._targets: list[GraphTarget] = []
+        try:
+            self.graph = self._make("graph")
+            self.eager = self._make("eager")
+            self.clean = self._make("graph")
+            self.spec = self.graph.spec
+            self.company = self._make("eager") if "sampling" in self.spec.features else None
+        except BaseException:
+            self.close()
+            raise
+        for twin in self._targets:
+            if twin.spec != self.spec:
+                self.close()
+                raise ValueError(
+                    f"the factory made twins with different specs: {twin.spec} vs "
+                    f"{self.spec}; a factory must be deterministic in its seed"
+                )
+
+    def _make(self, mode: Literal["graph", "eager"]) -> GraphTarget:
+        target = self._factory(mode, seed=self.seed, backend=self._backend_name)
+        self._targets.append(target)
+        return target
+
+    def close(self) -> None:
+        for target in self._targets:
+            target.close()
+        self._targets.clear()
+
+    def run(self, events: Sequence[Batch | Stress]) -> None:
+        kept: list[_Kept] = []
+        pending = Stress()
+        previous: Batch | None = None
+        step = 0
+        for index, event in enumerate(events):
+            if isinstance(event, Stress):
+                pending = event
+                continue
+            rng = random.Random(self.seed * 1_000_003 + step)
+            held = self._stress(pending, previous, event, rng)
+            pending = Stress()
+            violations, kept = self._check_step(step, event, kept)
+            held.clear()  # churned tensors live exactly across the step
+            if violations:
+                self._fail(violations[0], step, event, events[: index + 1])
+            previous = event
+            step += 1
+
+    def _stress(
+        self, stress: Stress, previous: Batch | None, batch: Batch, rng: random.Random
+    ) -> list[torch.Tensor]:
+        if stress.weight_seed is not None:
+            for twin in self._targets:
+                twin.update_weights(stress.weight_seed)
+        blocks, slots = stressors.live_indices(self.spec, [b for b in (previous, batch) if b])
+        stressors.poison_static_buffers(
+            self.graph.static_buffers(), live_blocks=blocks, live_slots=slots, rng=rng
+        )
+        stressors.poison_null_block(self.graph.state(), self.spec)
+        stressors.poison_null_block(self.eager.state(), self.spec)
+        kept = stressors.churn(self.backend.device, stress.churn, rng)
+        stressors.delay(self.backend, stress)
+        return kept
+
+    def _check_step(
+        self, step: int, batch: Batch, kept: list[_Kept]
+    ) -> tuple[list[Violation], list[_Kept]]:
+        spec = self.spec
+        graph_before, eager_before = _snapshot(self.graph.state()), _snapshot(self.eager.state())
+        graph, eager = _step(self.graph, batch), _step(self.eager, batch)
+        clean = _step(self.clean, batch)
+        sub = sampling.company_batch(batch) if self.company else None
+        company = _step(self.company, sub) if self.company and sub else None
+        self._count(batch, graph.result)
+        now = [
+            (r, (r.logits.detach().cpu().clone(), r.next_tokens.cpu().clone()), step)
+            for r in (graph.result, eager.result)
+            if r is not None
+        ]
+        if graph.error or eager.error:
+            self._ran("replay_matches_eager")
+            return checks.replay_matches_eager(batch, graph, eager, spec), now
+        graph_after, eager_after = _snapshot(self.graph.state()), _snapshot(self.eager.state())
+        clean_after = _snapshot(self.clean.state())
+        views = self.graph.address_views()
+        # A stray KV write is the root cause of most wrong logits: judge it first.
+        verdicts: list[tuple[str, Callable[[], list[Violation]]]] = [
+            (
+                "kv_writes_confined",
+                lambda: [
+                    *kv_checks.kv_writes_confined(batch, graph_before, graph_after, spec, "graph"),
+                    *kv_checks.kv_writes_confined(batch, eager_before, eager_after, spec, "eager"),
+                ],
+            ),
+            (
+                "replay_matches_eager",
+                lambda: checks.replay_matches_eager(batch, graph, eager, spec),
+            ),
+            (
+                "padding_inert",
+                lambda: checks.padding_inert(batch, graph, clean, graph_after, clean_after, spec),
+            ),
+            ("states_match", lambda: kv_checks.states_match(batch, graph_after, eager_after, spec)),
+            (
+                "results_stay_valid",
+                lambda: [v for r, snap, at in kept for v in checks.results_stay_valid(r, snap, at)],
+            ),
+            ("address_views_disjoint", lambda: addresses.address_views_disjoint(views)),
+            ("pool_within_bound", lambda: addresses.pool_within_bound(views)),
+        ]
+        if company is not None and sub is not None:
+            verdicts.append(
+                (
+                    sampling.NAME,
+                    lambda: sampling.sampling_independent(sub, company, batch, eager, spec),
+                )
+            )
+        for name, verdict in verdicts:
+            self._ran(name)
+            found = verdict()
+            if found:
+                return found, now
+        return [], now
+
+    def _ran(self, check: str) -> None:
+        self.stats.checks_run[check] += 1
+
+    def _count(self, batch: Batch, result: StepResult | None) -> None:
+        self.stats.steps += 1
+        self.stats.buckets_hit[bucket_for(self.spec, batch.num_tokens)] += 1
+        if result is not None:
+            self.stats.paths[result.path] += 1
+            if result.path != "full" and result.reason:
+                self.stats.fallback_reasons[result.reason] += 1
+
+    def _fail(
+        self, violation: Violation, step: int, batch: Batch, events: Sequence[Batch | Stress]
+    ) -> None:
+        snippet = replay_snippet(
+            events, factory=self._factory, backend=self._backend_name, seed=self.seed
+        )
+        message = "\n".join(
+            [
+                f"graphmode check {violation.check!r} failed at step {step} (seed {self.seed})",
+                violation.describe(),
+                f"step {step}: {batch.num_reqs} requests, {batch.num_tokens} tokens, phase "
+                f"{batch.phase}, query lengths {batch.query_lens}",
+                "replay the minimal schedule with:",
+                snippet,
+            ]
+        )
+        failure = Failure(violation.check, step, message, self.seed, snippet)
+        raise GraphmodeFailure(failure, self.stats)

@@ -1,0 +1,82 @@
+"""`sampling_independent`: a request's samples depend only on its seed, position and logits.
+
+The harness cannot recompute a sample: it does not know the runner's sampler. So the checks are
+metamorphic, comparing runs in which only the company of a request differs:
+- bucket and padding: the graph twin runs a request padded into a capture bucket, the eager twin
+  runs the same batch unpadded; `replay_matches_eager` demands equal sampled tokens wherever the
+  two rows' logits agree to within `SAMPLED_AGREEMENT` x temperature.
+- batch company and row: a fourth, never-poisoned *company twin* (eager mode, same seed) runs,
+  each step, only the batch's sampled requests, in reverse row order. A request's KV depends only
+  on its own tokens, so the company twin computes the same logits for it; this check demands the
+  same sampled token wherever those logits agree with the eager twin's as closely.
+A seed or counter baked in at capture, noise indexed by row or drawn per batch, or padding rows
+that consume a request's random stream all make tokens differ while the logits agree. Gumbel-max
+with shared noise flips only when two perturbed scores tie to within the logit gap, so the rule
+has a false-alarm rate of order 1e-6 per row.
+"""
+
+from __future__ import annotations
+
+from pytest_graphmode.contract import Batch, TargetSpec
+from pytest_graphmode.fuzz.checks import Outcome
+from pytest_graphmode.fuzz.tolerance import SAMPLED_AGREEMENT, row_tolerance
+from pytest_graphmode.fuzz.violation import Violation, differences
+
+NAME = "sampling_independent"
+
+
+def company_batch(batch: Batch) -> Batch | None:
+    """The sub-batch the company twin runs: sampled requests, reversed; None if there are none."""
+    sampled = tuple(r for r in reversed(batch.requests) if r.seed is not None)
+    return Batch(sampled) if sampled else None
+
+
+def sampling_independent(
+    company_batch: Batch, company: Outcome, batch: Batch, eager: Outcome, spec: TargetSpec
+) -> list[Violation]:
+    if eager.result is None:
+        return []  # replay_matches_eager reports a failing eager twin
+    if company.result is None:
+        return [
+            Violation(
+                NAME, f"the company twin raised on a sub-batch of a legal batch:\n{company.error}"
+            )
+        ]
+    rows = {r.req_id: i for i, r in enumerate(batch.requests)}
+    mine = company.result.logits.detach().cpu().float()
+    theirs = eager.result.logits.detach().cpu().float()
+    tol = row_tolerance(theirs)
+    tokens = company.result.next_tokens.cpu().tolist()
+    reference = eager.result.next_tokens.cpu().tolist()
+    for row, request in enumerate(company_batch.requests):
+        other = rows[request.req_id]
+        gap = float((mine[row] - theirs[other]).abs().amax())
+        where = (
+            f"(row {row} of {company_batch.num_reqs} here, row {other} of {batch.num_reqs} "
+            f"in the full batch)"
+        )
+        if not gap <= float(tol[other]):
+            return [
+                Violation(
+                    NAME,
+                    f"logits depend on batch company {where}",
+                    req_id=request.req_id,
+                    row=row,
+                    **differences(
+                        theirs[other], mine[row], (mine[row] - theirs[other]).abs() <= tol[other]
+                    ),
+                )
+            ]
+        if gap <= SAMPLED_AGREEMENT * request.temperature and tokens[row] != reference[other]:
+            return [
+                Violation(
+                    NAME,
+                    f"sampled token (seed {request.seed}) depends on batch "
+                    f"company, bucket or padding {where}",
+                    req_id=request.req_id,
+                    row=row,
+                    expected=str(reference[other]),
+                    actual=str(tokens[row]),
+                )
+            ]
+    return []

@@ -1,0 +1,49 @@
+"""How close is close enough: dtype-aware tolerances and NaN-aware element comparisons.
+
+Logits are compared relative to their scale (a row's largest magnitude, at least 1), because a
+runner's graph path may legitimately use other kernels than its eager path; integers and anything
+that ran the same kernels at the same shapes are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_RTOL = {
+    torch.float64: 1e-7,
+    torch.float32: 1e-4,
+    torch.float16: 2e-2,
+    torch.bfloat16: 2e-2,
+}
+
+SAMPLED_AGREEMENT = 1e-6
+"""Largest |logit difference| / temperature at which two runs of a sampled row must draw the same
+token (see `sampling.py` for why this never cries wolf in practice)."""
+
+
+def rtol(dtype: torch.dtype) -> float:
+    return _RTOL.get(dtype, 1e-4)
+
+
+def row_tolerance(reference: torch.Tensor) -> torch.Tensor:
+    """Per-row absolute tolerance of `[rows, vocab]` logits: rtol times the row's scale."""
+    scale = reference.detach().abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=-1).clamp_min(1.0)
+    return rtol(reference.dtype) * scale.float()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise equality where NaN equals NaN (poisoned memory holds NaN on both sides)."""
+    equal = a == b
+    if a.is_floating_point():
+        equal |= a.isnan() & b.isnan()
+    return equal
+
+
+def within(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise closeness with the dtype's tolerance; exact for integers, NaN equals NaN."""
+    if not a.is_floating_point():
+        return a == b
+    tol = rtol(a.dtype)
+    a32, b32 = a.float(), b.float()
+    close = (a32 - b32).abs() <= tol * (1.0 + b32.abs())
+    return close | (a32.isnan() & b32.isnan()) | (a32 == b32)

@@ -1,0 +1,82 @@
+"""What a fuzz schedule is made of: abstract step plans and the stressors between steps.
+
+A plan says *what kind* of step to take (how many rows, which phase, who arrives, finishes or is
+preempted); the scheduler turns it into a concrete, legal `Batch`. Plans refer to live requests by
+index modulo the live count, so every list of plans is legal whatever Hypothesis deletes while
+shrinking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+StepKind = Literal["decode", "spec", "prefill", "mixed"]
+STEP_KINDS: tuple[StepKind, ...] = ("decode", "spec", "prefill", "mixed")
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A new request: its prompt length and sampling/adapter settings."""
+
+    prompt_len: int
+    seed: int | None = None
+    temperature: float = 1.0
+    adapter: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1:
+            raise ValueError(f"Arrival.prompt_len={self.prompt_len} must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError(f"Arrival.temperature={self.temperature} must be > 0")
+
+
+@dataclass(frozen=True)
+class Stress:
+    """Stressors applied right before the next step.
+
+    `churn`: tensors to allocate and free on the backend device (0: none). `weight_seed`: call
+    `update_weights(weight_seed)` on every twin. `delay`: on cuda, queue a sleep kernel on the
+    current stream; `scheduler_seed`: on sim, reseed the stream scheduler (both when not None).
+    Poisoning needs no field: it happens before every step.
+    """
+
+    churn: int = 0
+    weight_seed: int | None = None
+    delay_cycles: int = 0
+    scheduler_seed: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self != Stress()
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step in abstract form; `Scheduler.compile` makes it concrete.
+
+    `rows`: wanted number of requests (capped by what is ready and by the spec's limits).
+    `finish` / `preempt`: indices into the live requests (modulo their count) to retire or to
+    preempt (blocks freed, the request recomputes from scratch later). `spec_k` draft tokens and
+    `accepted` of them kept, for "spec" steps. `chunk`: largest prefill chunk. `rotate`: row order
+    offset, so a request moves between rows from step to step.
+    """
+
+    kind: StepKind
+    rows: int
+    arrivals: tuple[Arrival, ...] = ()
+    finish: tuple[int, ...] = ()
+    preempt: tuple[int, ...] = ()
+    spec_k: int = 1
+    accepted: int = 0
+    chunk: int = 4
+    rotate: int = 0
+    stress: Stress = Stress()
+
+    def __post_init__(self) -> None:
+        if self.kind not in STEP_KINDS:
+            raise ValueError(f"StepPlan.kind={self.kind!r}; use one of {STEP_KINDS}")
+        if self.rows < 1 or self.chunk < 1 or self.spec_k < 1:
+            raise ValueError("StepPlan.rows, chunk and spec_k must be >= 1")
+        if not 0 <= self.accepted <= self.spec_k:
+            raise ValueError(f"StepPlan.accepted={self.accepted} outside [0, {self.spec_k}]")

@@ -1,0 +1,115 @@
+"""Hypothesis strategies for step plans and whole schedules, derived from a `TargetSpec`.
+
+Row counts are drawn mostly next to capture sizes (c - 1, c, c + 1), so consecutive steps cross
+bucket boundaries in both directions (3 -> 9 -> 2 requests); prompt lengths and chunks reach past
+the largest capture size, so some steps must take the eager path. Consecutive steps of the same
+size but another kind, query length or adapter mix are what probe an incomplete graph key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hypothesis import strategies as st
+
+from pytest_graphmode.contract import Batch, TargetSpec
+from pytest_graphmode.strategies.plans import STEP_KINDS, Arrival, StepKind, StepPlan, Stress
+from pytest_graphmode.strategies.scheduler import compile_schedule
+
+ADAPTERS = (0, 1)
+TEMPERATURES = (0.5, 1.0, 2.0)
+DELAY_CYCLES = 2_000_000  # long enough that an unsynchronised copy stream visibly lags behind
+
+
+def _capacity(spec: TargetSpec) -> int:
+    return min(spec.max_blocks_per_req, spec.num_blocks - 1) * spec.block_size
+
+
+def row_counts(spec: TargetSpec) -> st.SearchStrategy[int]:
+    """Request counts, mostly on and next to bucket boundaries."""
+    edges = {c + d for c in spec.capture_sizes for d in (-1, 0, 1)} | {1, spec.max_num_reqs}
+    near = sorted(n for n in edges if 1 <= n <= spec.max_num_reqs)
+    return st.one_of(st.sampled_from(near), st.integers(1, spec.max_num_reqs))
+
+
+def arrivals(spec: TargetSpec) -> st.SearchStrategy[Arrival]:
+    capacity = _capacity(spec)
+    largest = spec.capture_sizes[-1] if spec.capture_sizes else 1
+    long_prompt = min(capacity, max(largest + 1, 2 * spec.block_size))
+    seeds = st.none()
+    if "sampling" in spec.features:
+        seeds = st.one_of(st.none(), st.integers(0, 2**31 - 1))
+    adapters = st.sampled_from(ADAPTERS) if "adapters" in spec.features else st.just(0)
+    return st.builds(
+        Arrival,
+        prompt_len=st.one_of(
+            st.integers(1, min(capacity, 2 * spec.block_size)), st.integers(1, long_prompt)
+        ),
+        seed=seeds,
+        temperature=st.sampled_from(TEMPERATURES),
+        adapter=adapters,
+    )
+
+
+def arrival_lists(spec: TargetSpec) -> st.SearchStrategy[list[Arrival]]:
+    """None, a few of any length, or a crowd of short prompts: a crowd is what lets decode steps
+    grow past the larger buckets (3 -> 9 -> 2 requests) within a dozen steps."""
+    short = arrivals(spec).map(lambda a: dataclasses.replace(a, prompt_len=1 + a.prompt_len % 3))
+    crowd = st.lists(short, min_size=2, max_size=max(2, spec.max_num_reqs // 2))
+    return st.one_of(st.just([]), st.lists(arrivals(spec), max_size=4), crowd)
+
+
+def stresses(spec: TargetSpec) -> st.SearchStrategy[Stress]:
+    weight_seeds = st.none()
+    if "weight_update" in spec.features:
+        weight_seeds = st.one_of(st.none(), st.integers(1, 2**16))
+    active = st.builds(
+        Stress,
+        churn=st.integers(0, 3),
+        weight_seed=weight_seeds,
+        delay_cycles=st.sampled_from((0, DELAY_CYCLES)),
+        scheduler_seed=st.one_of(st.none(), st.integers(0, 2**16)),
+    )
+    return st.one_of(st.just(Stress()), active)
+
+
+def step_kinds(spec: TargetSpec) -> st.SearchStrategy[StepKind]:
+    """Mostly decode: the shape graphs serve; the other kinds probe key fields and fallbacks."""
+    others = [
+        k for k in STEP_KINDS if k != "decode" and (k != "spec" or "spec_decode" in spec.features)
+    ]
+    return st.one_of(st.just("decode"), st.sampled_from(others))
+
+
+@st.composite
+def step_plans(draw: st.DrawFn, spec: TargetSpec) -> StepPlan:
+    spec_k = draw(st.integers(1, 4))
+    largest = spec.capture_sizes[-1] if spec.capture_sizes else 1
+    return StepPlan(
+        kind=draw(step_kinds(spec)),
+        rows=draw(row_counts(spec)),
+        arrivals=tuple(draw(arrival_lists(spec))),
+        finish=tuple(draw(st.lists(st.integers(0, 63), max_size=2))),
+        preempt=tuple(draw(st.lists(st.integers(0, 63), max_size=1))),
+        spec_k=spec_k,
+        accepted=draw(st.integers(0, spec_k)),
+        chunk=draw(st.one_of(st.integers(1, largest), st.integers(1, spec.max_num_tokens))),
+        rotate=draw(st.integers(0, 63)),
+        stress=draw(stresses(spec)),
+    )
+
+
+def schedules(spec: TargetSpec, max_steps: int = 12) -> st.SearchStrategy[list[StepPlan]]:
+    """Lists of 1..max_steps plans; any such list compiles to legal batches."""
+    if max_steps < 1:
+        raise ValueError(f"max_steps={max_steps} must be >= 1")
+    return st.lists(step_plans(spec), min_size=1, max_size=max_steps)
+
+
+@st.composite
+def batch_lists(draw: st.DrawFn, spec: TargetSpec, max_steps: int = 12) -> list[Batch]:
+    """Consecutive legal batches for one fresh target (stressors left out), for `@given` tests
+    that drive a runner directly rather than through the lockstep driver."""
+    plans = [dataclasses.replace(p, stress=Stress()) for p in draw(schedules(spec, max_steps))]
+    events = compile_schedule(spec, plans, seed=draw(st.integers(0, 2**31 - 1)))
+    return [e for e in events if isinstance(e, Batch)]

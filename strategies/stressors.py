@@ -1,0 +1,87 @@
+"""Stressors: what the harness does to a target between steps to provoke graph-mode bugs.
+
+Each one targets a bug class (BUG_CLASSES.md): poisoned static buffers expose stale inputs and
+padding rows that are not reset (classes 1, 3); NaN in the null block exposes valid rows that read
+padding's sink (1); allocator churn exposes addresses that are not stable (6); delays and a reseeded
+stream scheduler expose missing stream/event waits (8). The functions take plain tensors and a
+`random.Random`, so the same seed poisons the same way every time.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pytest_graphmode.contract import Batch, TargetSpec
+from pytest_graphmode.strategies.plans import Stress
+
+_FLOAT_POISON = (float("nan"), float("inf"), float("-inf"), 3.0e38)
+_CHURN_BYTES = (4 << 10, 256 << 10, 4 << 20)
+
+
+def live_indices(spec: TargetSpec, batches: Sequence[Batch]) -> tuple[list[int], list[int]]:
+    """Block ids and slot ids the requests of `batches` own: the values a stale index would hold."""
+    blocks = sorted({b for batch in batches for r in batch.requests for b in r.block_ids})
+    size = spec.block_size
+    slots = [b * size + i for b in blocks for i in range(size)]
+    return blocks, slots
+
+
+def poison_static_buffers(
+    buffers: Mapping[str, torch.Tensor],
+    *,
+    live_blocks: Sequence[int],
+    live_slots: Sequence[int],
+    rng: random.Random,
+) -> None:
+    """Overwrite every static buffer in place: NaN/inf in floats; in integers, a mix of live
+    block ids, live slot ids, -1 and huge values, so an unreset entry hits someone else's KV."""
+    generator = torch.Generator().manual_seed(rng.randrange(2**62))
+    for tensor in buffers.values():
+        if tensor.numel() == 0:
+            continue
+        if tensor.dtype == torch.bool:
+            values = torch.randint(0, 2, tensor.shape, generator=generator).bool()
+        elif tensor.is_floating_point():
+            values = _pick(_FLOAT_POISON, tensor, generator)
+        else:
+            info = torch.iinfo(tensor.dtype)
+            pool = [*live_blocks, *live_slots, -1, info.max, rng.randrange(info.max)]
+            pool = [v for v in pool if info.min <= v <= info.max]
+            values = _pick(pool, tensor, generator)
+        tensor.copy_(values.to(device=tensor.device, dtype=tensor.dtype))
+
+
+def _pick(pool: Sequence[float], like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    choices = torch.tensor(pool, dtype=torch.float64 if like.is_floating_point() else torch.int64)
+    return choices[torch.randint(0, len(pool), like.shape, generator=generator)]
+
+
+def poison_null_block(state: Mapping[str, torch.Tensor], spec: TargetSpec) -> None:
+    """NaN into the null block's slots of every floating slot-major tensor (KV caches)."""
+    start = spec.null_block * spec.block_size
+    for tensor in state.values():
+        if tensor.is_floating_point() and tensor.dim() > 0 and tensor.shape[0] == spec.num_slots:
+            tensor[start : start + spec.block_size].fill_(float("nan"))
+
+
+def churn(device: torch.device, count: int, rng: random.Random) -> list[torch.Tensor]:
+    """Allocate `count` NaN-filled tensors of assorted sizes and free half of them at once; the
+    caller keeps the rest alive across the step, so freed and reused memory both hold garbage."""
+    made = []
+    for _ in range(count):
+        nbytes = rng.choice(_CHURN_BYTES)
+        made.append(torch.full((nbytes // 4,), float("nan"), device=device))
+    return made[::2]
+
+
+def delay(backend: Any, stress: Stress) -> None:
+    """Make asynchronous work land late: a sleep kernel on the current cuda stream, or a fresh
+    seed for the sim backend's stream scheduler (where the backend offers one)."""
+    if stress.delay_cycles and backend.name == "cuda":
+        torch.cuda._sleep(stress.delay_cycles)
+    if stress.scheduler_seed is not None and hasattr(backend, "set_scheduler_seed"):
+        backend.set_scheduler_seed(stress.scheduler_seed)

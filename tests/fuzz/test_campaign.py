@@ -1,0 +1,66 @@
+"""run_campaign: passes a correct runner, shrinks a broken one to a short replayable schedule."""
+
+from __future__ import annotations
+
+import hypothesis
+import pytest
+from hypothesis import Phase
+
+from pytest_graphmode.contract import Batch
+from pytest_graphmode.fuzz import CHECKS, GraphmodeFailure, run_campaign
+from tests.fuzz import toy
+
+
+def test_a_correct_runner_passes_and_every_check_runs():
+    seen = []
+    stats = run_campaign(
+        toy.make_target,
+        max_examples=6,
+        max_steps=6,
+        seed=2,
+        progress=lambda s: seen.append(s.examples),
+    )
+    assert stats.examples == 6 and seen == [1, 2, 3, 4, 5, 6]
+    assert stats.steps >= 6 and stats.failures == []
+    assert set(stats.checks_run) == set(CHECKS)
+    assert sum(stats.buckets_hit.values()) == stats.steps == sum(stats.paths.values())
+
+
+def test_the_same_seed_gives_the_same_campaign():
+    first = run_campaign(toy.make_target, max_examples=3, max_steps=4, seed=5)
+    second = run_campaign(toy.make_target, max_examples=3, max_steps=4, seed=5)
+    assert (first.steps, first.buckets_hit) == (second.steps, second.buckets_hit)
+
+
+def test_a_broken_runner_fails_with_stats_attached():
+    no_shrink = hypothesis.settings(
+        max_examples=20, deadline=None, database=None, phases=[Phase.generate]
+    )
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(toy.factory(["drift"]), settings=no_shrink, seed=1)
+    stats = caught.value.stats
+    assert stats is not None and stats.failures == [caught.value.failure]
+    assert caught.value.failure.check == "replay_matches_eager"
+
+
+def test_shrinking_leaves_a_single_step_of_batch_literals():
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(toy.factory(["drift"]), max_examples=10, max_steps=3, seed=1)
+    snippet = caught.value.failure.replay_snippet
+    namespace: dict[str, object] = {}
+    exec(snippet.split("replay(events")[0], namespace)
+    assert [type(e) for e in namespace["events"]] == [Batch]
+    assert caught.value.failure.step == 0
+
+
+def test_features_restrict_what_schedules_use():
+    stats = run_campaign(
+        toy.make_target, max_examples=4, max_steps=4, seed=3, features=frozenset({"decode"})
+    )
+    assert stats.steps > 0
+    assert "sampling_independent" not in stats.checks_run  # no sampled request was drawn
+
+
+def test_features_the_target_lacks_are_refused():
+    with pytest.raises(ValueError, match="does not support"):
+        run_campaign(toy.make_target, features=frozenset({"decode", "multimodal"}))

@@ -1,0 +1,219 @@
+"""Each oracle, as a pure function: silent on a correct step, precise on a broken one."""
+
+from __future__ import annotations
+
+import torch
+
+from pytest_graphmode.contract import AddressView, Batch, Request, StepResult, TargetSpec
+from pytest_graphmode.fuzz import addresses, checks, kv_checks, sampling
+from pytest_graphmode.fuzz.checks import Outcome
+
+SPEC = TargetSpec(
+    num_blocks=4,
+    block_size=2,
+    max_blocks_per_req=2,
+    vocab_size=4,
+    max_num_reqs=2,
+    max_num_tokens=4,
+    capture_sizes=(1, 2),
+    features=frozenset({"decode", "sampling"}),
+)
+# req 7 writes position 2 (block 3, slot 6); req 8 writes position 0 (block 1, slot 2)
+BATCH = Batch(
+    (
+        Request(7, (1,), context_len=2, block_ids=(2, 3)),
+        Request(8, (2,), context_len=0, block_ids=(1,), seed=5),
+    )
+)
+
+
+def result(logits, tokens=(0, 1), path="full", key=2) -> StepResult:
+    return StepResult(torch.tensor(logits), torch.tensor(tokens), path, key)
+
+
+GOOD = [[4.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.0, 0.0]]
+
+
+def kv(**changes: float) -> dict[str, torch.Tensor]:
+    values = torch.zeros(SPEC.num_slots, 3)
+    for slot, value in changes.items():
+        values[int(slot[1:])] = value
+    return {"kv": values}
+
+
+def test_identical_twins_match():
+    assert (
+        checks.replay_matches_eager(BATCH, Outcome(result(GOOD)), Outcome(result(GOOD)), SPEC) == []
+    )
+
+
+def test_logits_beyond_tolerance_fail_with_row_and_request():
+    bad = [[4.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.01, 0.0]]
+    [v] = checks.replay_matches_eager(BATCH, Outcome(result(bad)), Outcome(result(GOOD)), SPEC)
+    assert (v.check, v.row, v.req_id) == ("replay_matches_eager", 1, 8)
+
+
+def test_logits_within_float32_tolerance_pass():
+    near = [[4.0 + 1e-5, 0.0, 0.0, 0.0], [0.0, 3.0, 0.0, 1e-5]]
+    assert (
+        checks.replay_matches_eager(BATCH, Outcome(result(near)), Outcome(result(GOOD)), SPEC) == []
+    )
+
+
+def test_non_finite_graph_logits_fail():
+    bad = [[4.0, 0.0, 0.0, 0.0], [0.0, float("nan"), 0.0, 0.0]]
+    [v] = checks.replay_matches_eager(BATCH, Outcome(result(bad)), Outcome(result(GOOD)), SPEC)
+    assert "not finite" in v.detail and v.row == 1
+
+
+def test_greedy_token_mismatch_with_a_clear_margin_fails():
+    [v] = checks.replay_matches_eager(
+        BATCH, Outcome(result(GOOD, tokens=(2, 1))), Outcome(result(GOOD)), SPEC
+    )
+    assert (v.row, v.expected, v.actual) == (0, "0", "2")
+
+
+def test_greedy_token_mismatch_on_a_tie_is_not_decidable():
+    tie = [[4.0, 4.0, 0.0, 0.0], [0.0, 3.0, 0.0, 0.0]]
+    graph, eager = Outcome(result(tie, tokens=(1, 1))), Outcome(result(tie, tokens=(0, 1)))
+    assert checks.replay_matches_eager(BATCH, graph, eager, SPEC) == []
+
+
+def test_sampled_token_mismatch_with_identical_logits_fails():
+    graph, eager = Outcome(result(GOOD, tokens=(0, 3))), Outcome(result(GOOD))
+    [v] = checks.replay_matches_eager(BATCH, graph, eager, SPEC)
+    assert v.req_id == 8 and "seed 5" in v.detail
+
+
+def test_graph_exception_is_reported_with_its_traceback():
+    [v] = checks.replay_matches_eager(
+        BATCH, Outcome(None, "Traceback: boom"), Outcome(result(GOOD)), SPEC
+    )
+    assert v.detail.startswith("graph_raised") and "boom" in v.detail
+
+
+def test_eager_exception_is_reported_too():
+    [v] = checks.replay_matches_eager(BATCH, Outcome(result(GOOD)), Outcome(None, "bang"), SPEC)
+    assert v.detail.startswith("eager_raised")
+
+
+def test_writes_to_valid_and_null_slots_are_confined():
+    after = kv(s6=1.0, s2=1.0, s0=9.0, s1=9.0)
+    assert kv_checks.kv_writes_confined(BATCH, kv(), after, SPEC) == []
+
+
+def test_a_write_to_a_live_slot_outside_the_step_names_slot_block_and_owner():
+    [v] = kv_checks.kv_writes_confined(BATCH, kv(), kv(s6=1.0, s2=1.0, s4=1.0), SPEC)
+    assert v.slot == 4 and "block 2, owned by req 7" in v.detail
+
+
+def test_nan_that_stays_nan_is_not_a_write():
+    before = kv(s5=float("nan"))
+    assert kv_checks.kv_writes_confined(BATCH, before, dict(before), SPEC) == []
+
+
+def test_states_that_agree_match():
+    assert kv_checks.states_match(BATCH, kv(s6=1.0), kv(s6=1.0 + 1e-7), SPEC) == []
+
+
+def test_state_difference_outside_the_null_block_fails():
+    [v] = kv_checks.states_match(BATCH, kv(s6=1.5), kv(s6=1.0), SPEC)
+    assert v.slot == 6 and v.check == "states_match"
+
+
+def test_null_block_is_not_compared_between_twins():
+    assert kv_checks.states_match(BATCH, kv(s1=float("nan")), kv(), SPEC) == []
+
+
+def test_bit_identical_poisoned_and_clean_runs_are_inert():
+    outcome = Outcome(result(GOOD))
+    assert checks.padding_inert(BATCH, outcome, outcome, kv(), kv(), SPEC) == []
+
+
+def test_a_last_bit_difference_in_a_valid_row_breaks_padding_inertness():
+    nudged = [
+        [4.0, 0.0, 0.0, 0.0],
+        [0.0, float(torch.nextafter(torch.tensor(3.0), torch.tensor(4.0))), 0.0, 0.0],
+    ]
+    [v] = checks.padding_inert(
+        BATCH, Outcome(result(nudged)), Outcome(result(GOOD)), kv(), kv(), SPEC
+    )
+    assert v.row == 1 and v.req_id == 8
+
+
+def test_a_valid_kv_slot_changed_by_poison_breaks_padding_inertness():
+    outcome = Outcome(result(GOOD))
+    [v] = checks.padding_inert(BATCH, outcome, outcome, kv(s2=2.0), kv(s2=1.0), SPEC)
+    assert v.slot == 2 and v.req_id == 8
+
+
+def test_poison_changing_the_dispatch_breaks_padding_inertness():
+    eager = Outcome(result(GOOD, path="eager", key=None))
+    [v] = checks.padding_inert(BATCH, eager, Outcome(result(GOOD)), kv(), kv(), SPEC)
+    assert "dispatch" in v.detail
+
+
+def test_a_kept_result_that_changed_fails():
+    kept = result(GOOD)
+    snapshot = (kept.logits.clone(), kept.next_tokens.clone())
+    kept.logits[1, 2] = 7.0
+    [v] = checks.results_stay_valid(kept, snapshot, kept_step=3)
+    assert v.row == 1 and "step 3" in v.detail
+
+
+def test_an_unchanged_kept_result_passes():
+    kept = result(GOOD)
+    assert checks.results_stay_valid(kept, (kept.logits.clone(), kept.next_tokens.clone()), 0) == []
+
+
+def test_company_batch_holds_sampled_requests_reversed():
+    two = Batch((*BATCH.requests, Request(9, (3,), 0, (0,), seed=1)))
+    assert [r.req_id for r in sampling.company_batch(two).requests] == [9, 8]
+    assert sampling.company_batch(Batch(BATCH.requests[:1])) is None
+
+
+def test_sampled_token_that_depends_on_company_fails():
+    sub = sampling.company_batch(BATCH)
+    company = Outcome(result([GOOD[1]], tokens=(2,)))
+    [v] = sampling.sampling_independent(sub, company, BATCH, Outcome(result(GOOD)), SPEC)
+    assert (v.req_id, v.expected, v.actual) == (8, "1", "2")
+
+
+def test_sampled_token_that_ignores_company_passes():
+    sub = sampling.company_batch(BATCH)
+    company = Outcome(result([GOOD[1]], tokens=(1,)))
+    assert sampling.sampling_independent(sub, company, BATCH, Outcome(result(GOOD)), SPEC) == []
+
+
+def view(key, base, size, offset=0):
+    return AddressView(key, base, size, "pool", offset)
+
+
+def test_views_of_different_graphs_must_not_overlap():
+    assert addresses.address_views_disjoint([view(1, 0, 100), view(2, 100, 50)]) == []
+    [v] = addresses.address_views_disjoint([view(1, 0, 100), view(2, 99, 50)])
+    assert "1" in v.detail and "2" in v.detail
+
+
+def test_views_of_one_graph_may_overlap():
+    assert addresses.address_views_disjoint([view(1, 0, 100), view(1, 50, 100)]) == []
+
+
+def test_a_shared_pool_within_the_largest_graph_plus_granularity_passes():
+    views = [view(1, 0, 3000), view(2, 5000, 4000, offset=96)]
+    assert addresses.pool_within_bound(views, granularity=100) == []
+
+
+def test_a_pool_growing_with_every_graph_fails():
+    views = [view(1, 0, 3000), view(2, 5000, 4000, offset=3000)]
+    [v] = addresses.pool_within_bound(views, granularity=100)
+    assert v.actual == "7000 bytes"
+
+
+def test_a_stray_write_reports_the_first_changed_element_not_the_whole_row():
+    before = {"kv": torch.zeros(SPEC.num_slots, 2, 3)}
+    after = {"kv": before["kv"].clone()}
+    after["kv"][4, 1, 2] = float("nan")
+    [v] = kv_checks.kv_writes_confined(BATCH, before, after, SPEC)
+    assert v.expected == "element (1, 2) = 0.0"
+    assert v.actual == "element (1, 2) = nan (1 of 6 elements differ)"

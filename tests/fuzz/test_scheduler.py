@@ -1,0 +1,143 @@
+"""The harness as scheduler: every schedule compiles to legal batches that stress the runner."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pytest_graphmode.contract import Batch
+from pytest_graphmode.fuzz.legality import batch_problems
+from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
+from pytest_graphmode.strategies.scheduler import BlockAllocator, Scheduler, compile_schedule
+from pytest_graphmode.strategies.schedules import batch_lists, row_counts, schedules
+from tests.fuzz.toy import SPEC
+
+DECODE_ONLY = dataclasses.replace(SPEC, features=frozenset({"decode"}))
+TIGHT = dataclasses.replace(SPEC, num_blocks=5, max_blocks_per_req=2)
+
+
+@pytest.mark.parametrize("spec", [SPEC, DECODE_ONLY, TIGHT], ids=["full", "decode", "tight"])
+@given(data=st.data())
+def test_every_drawn_schedule_compiles_to_legal_batches(spec, data):
+    plans = data.draw(schedules(spec, max_steps=8))
+    events = compile_schedule(spec, plans, seed=data.draw(st.integers(0, 99)))
+    batches = [e for e in events if isinstance(e, Batch)]
+    assert len(batches) == len(plans)
+    for batch in batches:
+        assert batch_problems(batch, spec) == []
+
+
+@given(data=st.data())
+def test_requests_continue_where_their_previous_step_ended(data):
+    plans = data.draw(schedules(SPEC, max_steps=8))
+    events = compile_schedule(SPEC, plans, seed=3)
+    cached: dict[int, int] = {}
+    for batch in (e for e in events if isinstance(e, Batch)):
+        for r in batch.requests:
+            # a request resumes at its cached length, or restarts at 0 after a preemption, or
+            # goes back after rejected draft tokens; it never skips positions
+            assert r.context_len <= cached.get(r.req_id, 0)
+            cached[r.req_id] = r.seq_len
+
+
+def test_features_the_spec_lacks_are_never_drawn():
+    @given(schedules(DECODE_ONLY, max_steps=6))
+    def check(plans):
+        for batch in compile_schedule(DECODE_ONLY, plans):
+            if isinstance(batch, Batch):
+                assert all(r.seed is None and r.adapter == 0 for r in batch.requests)
+                assert all(q == 1 for q in batch.query_lens)
+
+    check()
+
+
+def test_freed_blocks_are_reused_first():
+    scheduler = Scheduler(SPEC, seed=0)
+    first = scheduler.compile(StepPlan("prefill", rows=1, arrivals=(Arrival(4),), chunk=4))
+    freed = first.requests[0].block_ids
+    second = scheduler.compile(StepPlan("prefill", rows=1, arrivals=(Arrival(4),), finish=(0,)))
+    assert second.requests[0].block_ids == freed
+    assert second.requests[0].req_id != first.requests[0].req_id
+
+
+def test_allocator_never_hands_out_the_null_block():
+    allocator = BlockAllocator(SPEC, random.Random(0))
+    blocks = allocator.allocate(SPEC.num_blocks - 1)
+    assert blocks is not None
+    assert SPEC.null_block not in blocks
+    assert allocator.allocate(1) is None
+
+
+def test_allocator_refuses_a_double_free():
+    allocator = BlockAllocator(SPEC, random.Random(0))
+    blocks = allocator.allocate(1)
+    assert blocks is not None
+    allocator.free(blocks)
+    with pytest.raises(ValueError, match="freed twice"):
+        allocator.free(blocks)
+
+
+def test_spec_decode_steps_have_uniform_one_plus_k_queries():
+    scheduler = Scheduler(SPEC, seed=1)
+    scheduler.compile(StepPlan("prefill", rows=3, arrivals=(Arrival(2),) * 3, chunk=2))
+    batch = scheduler.compile(StepPlan("spec", rows=3, spec_k=2, accepted=1))
+    assert batch.query_lens == (3, 3, 3)
+    assert batch.phase == "decode"
+
+
+def test_rejected_drafts_are_rewritten_by_the_next_step():
+    scheduler = Scheduler(SPEC, seed=1)
+    scheduler.compile(StepPlan("prefill", rows=1, arrivals=(Arrival(2),), chunk=2))
+    spec_step = scheduler.compile(StepPlan("spec", rows=1, spec_k=3, accepted=0))
+    after = scheduler.compile(StepPlan("decode", rows=1))
+    assert after.requests[0].context_len == spec_step.requests[0].context_len + 1
+
+
+def test_preempted_requests_recompute_from_an_empty_cache():
+    scheduler = Scheduler(SPEC, seed=1)
+    scheduler.compile(StepPlan("prefill", rows=1, arrivals=(Arrival(3),), chunk=3))
+    batch = scheduler.compile(StepPlan("prefill", rows=1, preempt=(0,), chunk=8))
+    assert batch.requests[0].context_len == 0
+    assert batch.requests[0].query_len == 4  # the prompt and the token generated since
+
+
+def test_a_large_prefill_exceeds_the_largest_capture_size():
+    scheduler = Scheduler(SPEC, seed=1)
+    batch = scheduler.compile(StepPlan("prefill", rows=1, arrivals=(Arrival(12),), chunk=16))
+    assert batch.num_tokens > SPEC.capture_sizes[-1]
+
+
+def test_row_counts_sit_on_both_sides_of_every_bucket_boundary():
+    seen: set[int] = set()
+
+    @given(row_counts(SPEC))
+    def collect(n):
+        seen.add(n)
+
+    collect()
+    assert {1, 2, 3, 4, 5} <= seen
+
+
+def test_stress_events_precede_their_step():
+    stress = Stress(churn=2)
+    events = compile_schedule(SPEC, [StepPlan("decode", rows=1, stress=stress)])
+    assert events[0] == stress
+    assert isinstance(events[1], Batch)
+
+
+def test_plans_reject_impossible_values():
+    with pytest.raises(ValueError, match="accepted"):
+        StepPlan("spec", rows=1, spec_k=1, accepted=2)
+    with pytest.raises(ValueError, match="kind"):
+        StepPlan("verify", rows=1)  # type: ignore[arg-type]
+
+
+@given(batch_lists(SPEC, max_steps=5))
+def test_batch_lists_are_legal_consecutive_steps(batches):
+    assert 1 <= len(batches) <= 5
+    for batch in batches:
+        assert batch_problems(batch, SPEC) == []

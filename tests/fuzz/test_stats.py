@@ -1,0 +1,52 @@
+"""CampaignStats: merging (xdist workers) and JSON export."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections import Counter
+
+from pytest_graphmode.fuzz import CampaignStats, Failure, GraphmodeFailure
+
+FAILURE = Failure("padding_inert", 2, "row 0 changed", 7, "replay([...])")
+
+
+def stats(examples: int, bucket: int, failures: list[Failure]) -> CampaignStats:
+    return CampaignStats(
+        examples=examples,
+        steps=examples * 2,
+        buckets_hit=Counter({bucket: 2}),
+        paths=Counter({"full": 1, "eager": 1}),
+        fallback_reasons=Counter({"prefill": 1}),
+        checks_run=Counter({"states_match": 2}),
+        failures=failures,
+        seconds=1.5,
+    )
+
+
+def test_merge_adds_every_counter_and_keeps_both_failure_lists():
+    merged = stats(1, 4, []).merge(stats(2, 8, [FAILURE]))
+    assert (merged.examples, merged.steps, merged.seconds) == (3, 6, 3.0)
+    assert merged.buckets_hit == Counter({4: 2, 8: 2})
+    assert merged.paths == Counter({"full": 2, "eager": 2})
+    assert merged.checks_run["states_match"] == 4
+    assert merged.failures == [FAILURE]
+
+
+def test_merge_leaves_its_inputs_unchanged():
+    left = stats(1, 4, [])
+    left.merge(stats(1, 4, [FAILURE]))
+    assert left.examples == 1 and left.failures == []
+
+
+def test_to_json_is_plain_json_with_string_bucket_keys():
+    data = stats(1, 4, [FAILURE]).to_json()
+    assert json.loads(json.dumps(data)) == data
+    assert data["buckets_hit"] == {"4": 2}
+    assert data["failures"][0]["check"] == "padding_inert"
+
+
+def test_a_failure_survives_pickling_with_its_stats():
+    raised = GraphmodeFailure(FAILURE, stats(1, 4, [FAILURE]))
+    copy = pickle.loads(pickle.dumps(raised))
+    assert copy.failure == FAILURE and copy.stats.examples == 1 and str(copy) == FAILURE.message

@@ -1,0 +1,26 @@
+"""Shared set-up of the plugin tests.
+
+pytester's in-process runs drop the modules they imported afterwards; torch and the sim backend
+(which installs a process-wide dispatch mode) cannot be imported twice, so they are imported once
+here, before any run.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from pytest_graphmode import fuzz
+from pytest_graphmode.runtime.backends import sim
+
+PRELOADED = (fuzz, sim)
+TOY_SOURCE = Path(__file__).with_name("toy_target.py").read_text()
+TOY = "graphmode_toy:make_target"
+BROKEN_TOY = "graphmode_toy:make_broken_target"
+
+
+@pytest.fixture
+def toy_project(pytester: pytest.Pytester) -> pytest.Pytester:
+    """A project with the toy target importable as `graphmode_toy` and no tests of its own."""
+    pytester.makepyfile(graphmode_toy=TOY_SOURCE)
+    pytester.syspathinsert()
+    return pytester

@@ -1,0 +1,209 @@
+"""`pytest --graphmode-fuzz` end to end on the toy target: summary, failures, report, exit codes.
+
+Runs that execute campaigns happen in a fresh process: an in-process pytester run would drop the
+torch modules a campaign imports, and torch cannot import them a second time. Each such run is
+shared by the tests of one module-scoped fixture.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from pytest import LineMatcher
+
+from tests.plugin.conftest import BROKEN_TOY, TOY, TOY_SOURCE
+
+SMALL = ("--graphmode-backend=sim", "--graphmode-examples=2", "--graphmode-steps=3")
+BUILTIN_CAMPAIGN_ONLY = ("--graphmode-seed=1", "-k", "test_campaign and not pinned")
+
+OWN_TESTS = """
+import pytest
+from hypothesis import Phase, settings
+from graphmode_toy import make_broken_target, make_target
+from pytest_graphmode.fuzz import GraphmodeFailure
+
+
+@pytest.mark.graphmode_fuzz
+def test_with_options(graphmode_fuzz):
+    stats = graphmode_fuzz(make_target, max_examples=3, max_steps=2, seed=7)
+    assert stats.examples == 3
+
+
+@pytest.mark.graphmode_fuzz
+def test_hides_the_failure(graphmode_fuzz):
+    quick = settings(max_examples=1, phases=[Phase.generate], deadline=None, database=None)
+    with pytest.raises(GraphmodeFailure):
+        graphmode_fuzz(make_broken_target, max_steps=1, settings=quick)
+"""
+
+
+@dataclass(frozen=True)
+class Run:
+    ret: int
+    lines: list[str]
+    path: Path
+
+    def fnmatch_lines(self, patterns: list[str]) -> None:
+        LineMatcher(self.lines).fnmatch_lines(patterns)
+
+
+def run_project(tmp_path_factory: pytest.TempPathFactory, files: dict[str, str], *args: str) -> Run:
+    """`python -m pytest --graphmode-fuzz ARGS` in a fresh project holding the toy and `files`."""
+    project = tmp_path_factory.mktemp("project")
+    (project / "graphmode_toy.py").write_text(TOY_SOURCE)
+    for name, text in files.items():
+        (project / name).write_text(text)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--graphmode-fuzz", *args],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(project)},
+    )
+    return Run(done.returncode, (done.stdout + done.stderr).splitlines(), project)
+
+
+@pytest.fixture(scope="module")
+def passing_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return run_project(
+        tmp_path_factory, {}, f"--graphmode-target={TOY}", *SMALL, *BUILTIN_CAMPAIGN_ONLY
+    )
+
+
+@pytest.fixture(scope="module")
+def broken_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """Shrinking a failure takes a while, so the tests below share one failing campaign."""
+    return run_project(
+        tmp_path_factory,
+        {},
+        f"--graphmode-target={BROKEN_TOY}",
+        *SMALL,
+        *BUILTIN_CAMPAIGN_ONLY,
+        "--graphmode-report=out/graphmode.json",
+    )
+
+
+@pytest.fixture(scope="module")
+def own_tests_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return run_project(
+        tmp_path_factory, {"test_own.py": OWN_TESTS}, f"--graphmode-target={TOY}", *SMALL
+    )
+
+
+def test_passing_campaign_exits_zero_with_the_summary(passing_run: Run) -> None:
+    assert passing_run.ret == pytest.ExitCode.OK
+    passing_run.fnmatch_lines(
+        [
+            "*= graphmode fuzz summary =*",
+            "campaigns: 1  examples: 2  steps: *",
+            "paths: full *  piecewise 0  eager *",
+            "buckets hit: 1: *",
+            "fallback reasons: *",
+            "checks run: *replay_matches_eager: *",
+            "failures: 0",
+        ]
+    )
+
+
+def test_campaign_shows_a_live_progress_line(passing_run: Run) -> None:
+    passing_run.fnmatch_lines(["*graphmode campaign: 2 examples, * steps, 0 failures so far*"])
+
+
+def test_failed_check_fails_the_run(broken_run: Run) -> None:
+    assert broken_run.ret == pytest.ExitCode.TESTS_FAILED
+
+
+def test_failure_message_names_the_check_values_and_replay_snippet(broken_run: Run) -> None:
+    broken_run.fnmatch_lines(
+        [
+            "*graphmode check 'replay_matches_eager' failed at step 0*",
+            "*expected: *",
+            "*actual: *",
+            "*from graphmode_toy import make_broken_target*",
+            "*replay(events, *factory=make_broken_target)*",
+        ]
+    )
+
+
+def test_failure_report_shows_the_message_instead_of_the_engine_traceback(
+    broken_run: Run,
+) -> None:
+    broken_run.fnmatch_lines(["*_ test_campaign _*", "graphmode check 'replay_matches_eager'*"])
+    LineMatcher(broken_run.lines).no_fnmatch_line("*pytest_graphmode/fuzz/*.py*")
+
+
+def test_summary_lists_the_failure(broken_run: Run) -> None:
+    broken_run.fnmatch_lines(
+        [
+            "*= graphmode fuzz summary =*",
+            "failures: 1",
+            "  FAILED replay_matches_eager at step 0 (seed *): graphmode check*",
+            "report: out/graphmode.json",
+        ]
+    )
+
+
+def test_json_report_holds_the_run_and_its_results(broken_run: Run) -> None:
+    report = json.loads((broken_run.path / "out" / "graphmode.json").read_text())
+    assert report["run"] == {
+        "target": BROKEN_TOY,
+        "backend": "sim",
+        "profile": "dev",
+        "seed": 1,
+        "examples_per_campaign": 2,
+        "steps_per_example": 3,
+    }
+    assert report["campaigns"] == 1
+    assert report["checks_run"]["replay_matches_eager"] >= 1
+    [failure] = report["failures"]
+    assert failure["check"] == "replay_matches_eager"
+    assert "replay(events" in failure["replay_snippet"]
+
+
+def test_graphmode_fuzz_fixture_runs_a_campaign_with_options(own_tests_run: Run) -> None:
+    own_tests_run.fnmatch_lines(["campaigns: 2  examples: *", "*= 2 passed in *"])
+
+
+def test_a_swallowed_failure_still_fails_the_run(own_tests_run: Run) -> None:
+    own_tests_run.fnmatch_lines(["failures: 1", "*= 2 passed in *"])
+    assert own_tests_run.ret == pytest.ExitCode.TESTS_FAILED
+
+
+def test_twins_share_a_seed_and_are_closed_afterwards(toy_project: pytest.Pytester) -> None:
+    toy_project.makepyfile(
+        test_twins="""
+        import torch
+        import graphmode_toy
+
+        closed = []
+
+        class Recording(graphmode_toy.ToyTarget):
+            def close(self):
+                closed.append(self._mode)
+
+        def make(mode, *, seed, backend):
+            return Recording(mode, seed, logit_offset=0.0)
+
+        def test_twins_have_the_same_weights(graphmode_twins):
+            assert torch.equal(graphmode_twins.graph._table, graphmode_twins.eager._table)
+            assert (graphmode_twins.graph._mode, graphmode_twins.eager._mode) == ("graph", "eager")
+
+        def test_both_twins_were_closed():
+            assert sorted(closed) == ["eager", "graph"]
+        """
+    )
+    result = toy_project.runpytest("--graphmode-target=test_twins:make")
+    result.assert_outcomes(passed=2)
+
+
+def test_backend_fixture_is_the_configured_backend(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        "def test_sim(graphmode_backend):\n    assert graphmode_backend.name == 'sim'\n"
+    )
+    pytester.runpytest("--graphmode-backend=sim").assert_outcomes(passed=1)

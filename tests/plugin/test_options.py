@@ -1,0 +1,175 @@
+"""What a user sees before any campaign runs: help, skips, usage errors, the header."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.plugin.conftest import TOY
+
+OPTIONS = ("fuzz", "target", "backend", "examples", "steps", "seed", "report", "profile")
+
+
+def test_help_lists_every_graphmode_option(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--help")
+    for name in OPTIONS:
+        result.stdout.fnmatch_lines([f"*--graphmode-{name}*"])
+    result.stdout.fnmatch_lines(["*graphmode_target (string)*", "*graphmode_profile (string)*"])
+
+
+def test_plugin_import_loads_neither_torch_nor_hypothesis() -> None:
+    code = (
+        "import sys, pytest_graphmode.plugin; "
+        "print(sorted(m for m in ('torch', 'hypothesis') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_run_without_fuzzing_imports_no_torch(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        "import sys\ndef test_torch_absent():\n    assert 'torch' not in sys.modules\n"
+    )
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_fuzz_marked_test_is_skipped_with_a_reason_without_the_flag(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(
+        "import pytest\n"
+        "@pytest.mark.graphmode_fuzz\n"
+        "def test_campaign():\n"
+        "    raise AssertionError('must not run')\n"
+    )
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*graph-mode fuzz test: run with --graphmode-fuzz*"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip on a machine without GPU")
+def test_cuda_marked_test_is_skipped_with_a_reason_without_a_gpu(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(
+        "import pytest\n"
+        "@pytest.mark.cuda\n"
+        "def test_on_gpu():\n"
+        "    raise AssertionError('must not run')\n"
+    )
+    result = pytester.runpytest("-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*needs a CUDA GPU: torch.cuda.is_available() is False*"])
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("--graphmode-backend=tpu", "*--graphmode-backend / graphmode_backend: 'tpu' is not one*"),
+        ("--graphmode-profile=weekly", "*graphmode_profile: 'weekly' is not one of*"),
+        ("--graphmode-examples=many", "*graphmode_examples: 'many' is not an integer >= 1*"),
+        ("--graphmode-seed=-3", "*graphmode_seed: '-3' is not an integer >= 0*"),
+    ],
+)
+def test_bad_option_value_is_a_usage_error(
+    pytester: pytest.Pytester, option: str, message: str
+) -> None:
+    result = pytester.runpytest(option)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
+def test_unimportable_target_is_a_usage_error_naming_the_option(
+    pytester: pytest.Pytester,
+) -> None:
+    result = pytester.runpytest("--graphmode-fuzz", "--graphmode-target=nowhere_abc:make")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*--graphmode-target / graphmode_target: cannot import module 'nowhere_abc'*"]
+    )
+
+
+def test_target_without_factory_is_a_usage_error(toy_project: pytest.Pytester) -> None:
+    result = toy_project.runpytest("--graphmode-fuzz", "--graphmode-target=graphmode_toy")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*'graphmode_toy' is not of the form 'module:factory'*"])
+
+
+def test_header_names_backend_target_and_given_seed(toy_project: pytest.Pytester) -> None:
+    result = toy_project.runpytest(
+        "--graphmode-fuzz",
+        f"--graphmode-target={TOY}",
+        "--graphmode-backend=sim",
+        "--graphmode-seed=41",
+        "--collect-only",
+    )
+    result.stdout.fnmatch_lines(
+        [f"graphmode: backend=sim target={TOY} seed=41 (given) profile=dev examples=10 steps=8"]
+    )
+
+
+def test_header_shows_a_random_seed_and_how_to_rerun_it(toy_project: pytest.Pytester) -> None:
+    result = toy_project.runpytest(
+        "--graphmode-fuzz",
+        f"--graphmode-target={TOY}",
+        "--graphmode-backend=sim",
+        "--collect-only",
+    )
+    result.stdout.fnmatch_lines(["graphmode: *seed=* (random; rerun with --graphmode-seed)*"])
+
+
+def test_ini_options_configure_the_run_and_the_command_line_wins(
+    toy_project: pytest.Pytester,
+) -> None:
+    toy_project.makeini(
+        f"[pytest]\ngraphmode_target = {TOY}\ngraphmode_backend = sim\n"
+        "graphmode_profile = ci\ngraphmode_seed = 5\n"
+    )
+    result = toy_project.runpytest("--graphmode-fuzz", "--graphmode-seed=6", "--collect-only")
+    result.stdout.fnmatch_lines(
+        [f"graphmode: backend=sim target={TOY} seed=6 (given) profile=ci examples=50 steps=12"]
+    )
+
+
+def test_builtin_suite_is_collected_where_the_project_has_no_fuzz_tests(
+    toy_project: pytest.Pytester,
+) -> None:
+    result = toy_project.runpytest(
+        "--graphmode-fuzz",
+        f"--graphmode-target={TOY}",
+        "--graphmode-backend=sim",
+        "--collect-only",
+        "-q",
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*suite.py::test_target_follows_contract",
+            "*suite.py::test_campaign",
+            "*suite.py::test_campaign_pinned_scheduler_seed[[]0[]]",
+        ]
+    )
+
+
+def test_builtin_suite_stays_out_where_the_project_has_fuzz_tests(
+    toy_project: pytest.Pytester,
+) -> None:
+    toy_project.makepyfile(
+        test_own="import pytest\n@pytest.mark.graphmode_fuzz\ndef test_mine():\n    pass\n"
+    )
+    result = toy_project.runpytest(
+        "--graphmode-fuzz", f"--graphmode-target={TOY}", "--collect-only", "-q"
+    )
+    result.stdout.fnmatch_lines(["test_own.py::test_mine", "1 test collected*"])
+    result.stdout.no_fnmatch_line("*suite.py*")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without GPU")
+def test_cuda_backend_without_a_gpu_is_a_usage_error(toy_project: pytest.Pytester) -> None:
+    result = toy_project.runpytest(
+        "--graphmode-fuzz", f"--graphmode-target={TOY}", "--graphmode-backend=cuda"
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*--graphmode-backend=cuda but torch.cuda.is_available() is False*sim*"]
+    )
