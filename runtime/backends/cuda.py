@@ -11,6 +11,7 @@ from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
+
 from pytest_graphmode.runtime.backends.errors import (
     CaptureError,
     UseAfterFreeError,

@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable, Mapping
 
 import torch
+
 from pytest_graphmode.runtime.buckets._plan import (
     CostModel,
     GraphCost,

@@ -13,8 +13,9 @@ import math
 from collections.abc import Callable
 
 import torch
-from pytest_graphmode.runtime.model.inputs import DecoderInputs, token_requests
 from torch import Tensor
+
+from pytest_graphmode.runtime.model.inputs import DecoderInputs, token_requests
 
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor, DecoderInputs, Tensor], Tensor]
 """`attention(layer, q, k, v, inputs, kv_cache) -> out`: q [T, heads, head_dim] and k, v

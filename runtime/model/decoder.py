@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import Tensor
+
 from pytest_graphmode.runtime.model import inputs as _inputs
 from pytest_graphmode.runtime.model.attention import AttentionFn, paged_attention
 from pytest_graphmode.runtime.model.config import DecoderConfig
@@ -23,7 +25,6 @@ from pytest_graphmode.runtime.model.ops import (
     silu_mlp,
 )
 from pytest_graphmode.runtime.model.weights import init_weights
-from torch import Tensor
 
 
 class Decoder:

@@ -7,8 +7,9 @@ from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
-from pytest_graphmode.runtime.model.config import DecoderConfig
 from torch import Tensor
+
+from pytest_graphmode.runtime.model.config import DecoderConfig
 
 PAD_TOKEN = 0
 PAD_POSITION = 0

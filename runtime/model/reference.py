@@ -12,8 +12,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
-from pytest_graphmode.runtime.model.config import DecoderConfig
 from torch import Tensor
+
+from pytest_graphmode.runtime.model.config import DecoderConfig
 
 _EPS = 1e-6
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-from pytest_graphmode.runtime.model.config import DecoderConfig
 from torch import Tensor
+
+from pytest_graphmode.runtime.model.config import DecoderConfig
 
 # Scales keep the residual stream near unit RMS and give logits a standard deviation of about 2,
 # so top-2 margins are usually far above float32/bfloat16 round-off (greedy tokens are stable

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from pytest_graphmode.runtime import backends
 
 

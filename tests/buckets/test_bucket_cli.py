@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from pytest_graphmode.runtime.buckets._cli import main
 
 

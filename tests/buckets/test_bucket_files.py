@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from pytest_graphmode.runtime.buckets import (
     read_histogram,
     read_latency,

@@ -5,6 +5,7 @@ import itertools
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pytest_graphmode.runtime.buckets import KINDS, evaluate, plan, schedule
 
 small_histograms = st.dictionaries(st.integers(1, 12), st.integers(1, 50), min_size=1, max_size=8)

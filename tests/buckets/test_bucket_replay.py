@@ -3,6 +3,7 @@
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pytest_graphmode.runtime.buckets import BucketTable, replay
 
 

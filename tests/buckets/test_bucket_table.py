@@ -3,6 +3,7 @@
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pytest_graphmode.runtime.buckets import BucketTable, IntervalWaste
 
 size_lists = st.lists(st.integers(1, 600), min_size=1, max_size=40)

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pytest_graphmode.runtime.buckets import (
     TraceRequest,
     decode_runs,

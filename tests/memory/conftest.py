@@ -1,6 +1,7 @@
 import os
 
 import pytest
+
 from pytest_graphmode.runtime.memory import HostPool
 
 GRANULARITY = 64 << 10  # small chunks keep the tests cheap; the pool's default is 2 MiB

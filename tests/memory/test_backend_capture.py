@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+
 from pytest_graphmode.runtime import backends
 from pytest_graphmode.runtime.memory import VmmUnsupportedError, find_overlaps, make_graph_memory
 

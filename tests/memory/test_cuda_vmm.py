@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from pytest_graphmode.runtime.memory import (
     CudaVmmPool,
     PoolError,

@@ -1,9 +1,9 @@
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pytest_graphmode.runtime.memory import Ledger, PoolError, find_overlaps
 
 from pytest_graphmode.contract import AddressView
+from pytest_graphmode.runtime.memory import Ledger, PoolError, find_overlaps
 
 
 def _intersect(a: AddressView, b: AddressView) -> bool:

@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pytest_graphmode.runtime.memory import (
     HostView,
     PoolError,

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
-from pytest_graphmode.runtime.model import Decoder, DecoderConfig, DecoderInputs, make_inputs
 
 from pytest_graphmode import Request
+from pytest_graphmode.runtime.model import Decoder, DecoderConfig, DecoderInputs, make_inputs
 
 CONFIG = DecoderConfig.tiny()
 KINDS = ("decode", "spec_decode", "prefill", "chunked", "mixed")

@@ -5,9 +5,9 @@ import re
 from collections.abc import Callable
 
 import pytest
-from pytest_graphmode.runtime.model import DecoderConfig, make_inputs
 
 from pytest_graphmode import Request
+from pytest_graphmode.runtime.model import DecoderConfig, make_inputs
 from tests.model.model_scenarios import CONFIG
 
 

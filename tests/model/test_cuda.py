@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+
+from pytest_graphmode import Request
 from pytest_graphmode.runtime.model import (
     Decoder,
     DecoderConfig,
@@ -9,8 +11,6 @@ from pytest_graphmode.runtime.model import (
     reference_forward,
     sample,
 )
-
-from pytest_graphmode import Request
 from tests.model.model_scenarios import CONFIG, fresh_decoder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

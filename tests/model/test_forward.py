@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pytest_graphmode.runtime.model import Decoder, DecoderInputs, make_inputs, reference_forward
 from torch import Tensor
 
+from pytest_graphmode.runtime.model import Decoder, DecoderInputs, make_inputs, reference_forward
 from tests.model.model_scenarios import (
     CONFIG,
     KINDS,

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import given
-from pytest_graphmode.runtime.model import make_inputs, sample
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pytest_graphmode.runtime.model import make_inputs, sample
 from tests.model.model_scenarios import CONFIG, Scenario, fresh_decoder, prepare, scenarios
 
 HOST_READS = {

@@ -2,9 +2,9 @@
 
 import torch
 from hypothesis import given
-from pytest_graphmode.runtime.model import DecoderInputs
 from torch import Tensor
 
+from pytest_graphmode.runtime.model import DecoderInputs
 from tests.model.model_scenarios import CONFIG, Scenario, fresh_decoder, prepare, scenarios
 
 NULL_SLOTS = set(

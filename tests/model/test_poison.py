@@ -4,9 +4,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from pytest_graphmode.runtime.model import DecoderInputs
 from torch import Tensor
 
+from pytest_graphmode.runtime.model import DecoderInputs
 from tests.model.model_scenarios import CONFIG, Scenario, fresh_decoder, prepare, scenarios
 
 

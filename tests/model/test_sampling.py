@@ -3,6 +3,7 @@
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pytest_graphmode.runtime.model import sample
 
 VOCAB = 32

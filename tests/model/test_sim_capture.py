@@ -3,9 +3,9 @@
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pytest_graphmode.runtime import backends
 from pytest_graphmode.runtime.model import make_inputs, sample
-
 from tests.model.model_scenarios import CONFIG, Scenario, fresh_decoder, prepare, scenarios
 
 NUM_REQS = 6

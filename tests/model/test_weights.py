@@ -3,9 +3,9 @@
 import dataclasses
 
 import torch
-from pytest_graphmode.runtime.model import Decoder, make_inputs, weight_shapes
 
 from pytest_graphmode import Request
+from pytest_graphmode.runtime.model import Decoder, make_inputs, weight_shapes
 from tests.model.model_scenarios import CONFIG, fresh_decoder
 
 

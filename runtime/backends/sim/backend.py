@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
 from pytest_graphmode.runtime.backends.sim import ops
 from pytest_graphmode.runtime.backends.sim.capture import Capture, Program
@@ -29,7 +31,6 @@ from pytest_graphmode.runtime.backends.sim.streams import (
     new_wait,
     new_work,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
 _BACKEND: SimBackend | None = None
 
