@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 from graph_workloads import SUITES, Suite, backend_name
 
-from pytest_graphmode.benchmark import graph_benchmark  # noqa: F401  (the fixture, until the plugin registers it)
 from pytest_graphmode.runtime import backends
 from pytest_graphmode.runtime.model import Decoder
 

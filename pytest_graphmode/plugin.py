@@ -119,6 +119,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if not config.pluginmanager.is_registered(fixtures):
         config.pluginmanager.register(fixtures, "graphmode-fixtures")
+    if config.pluginmanager.hasplugin("benchmark"):
+        # graph_benchmark builds on pytest-benchmark's fixture: offered only where it is installed.
+        from pytest_graphmode import benchmark
+
+        if not config.pluginmanager.is_registered(benchmark):
+            config.pluginmanager.register(benchmark, "graphmode-benchmark")
     if settings.fuzz:
         fixtures.hypothesis_profile(settings.profile)
 

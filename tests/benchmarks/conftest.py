@@ -14,7 +14,6 @@ import pytest
 from pytest_graphmode.runtime.backends import sim
 
 PRELOADED = (sim,)
-INNER_CONFTEST = "from pytest_graphmode.benchmark import graph_benchmark  # noqa: F401\n"
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +28,6 @@ def run_benchmarks(
 ) -> pytest.RunResult:
     """Run `source` as a test file on the sim backend, writing bench.json unless told not to
     (a run that records nothing would warn about the empty file)."""
-    pytester.makeconftest(INNER_CONFTEST)
     pytester.makepyfile(test_inner=source)
     json_args = ["--benchmark-json=bench.json"] if write_json else []
     return pytester.runpytest_inprocess(
