@@ -15,9 +15,8 @@ checked on every replay, not only in debug builds.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -131,16 +130,18 @@ def capture_piecewise(
     started = time.perf_counter()
     pieces: list[Any] = []
     runners: list[Runner] = []
-    current: list[Any] = []
+    current: list[tuple[Any, Any]] = []  # the piece being captured and its capture context
+    stream = backend.Stream()
 
     def begin() -> None:
         graph = backend.Graph()
-        graph.capture_begin(pool=pool)
-        current[:] = [graph]
+        capture = backend.graph(graph, pool=pool, stream=stream)
+        capture.__enter__()
+        current.append((graph, capture))
 
     def end() -> None:
-        graph = current.pop()
-        graph.capture_end()
+        graph, capture = current.pop()
+        capture.__exit__(None, None, None)
         pieces.append(graph)
 
     def graph_break(layer: int, q: Tensor, k: Tensor, v: Tensor, *_: Any) -> Tensor:
@@ -151,20 +152,15 @@ def capture_piecewise(
         begin()
         return out
 
-    stream = backend.Stream()
-    stream.wait_stream(backend.current_stream())
-    with backend.stream(stream):
-        try:
-            begin()
-            hidden = body(graph_break)
-            end()
-        except BaseException as exc:
-            _abandon(backend, current, pieces)
-            error = capture_error_of(exc)
-            if error is not None and error is not exc:
-                raise error from exc
-            raise
-    backend.current_stream().wait_stream(stream)
+    try:
+        begin()
+        hidden = body(graph_break)
+        end()
+    except BaseException as exc:
+        error = _abandon(current, pieces, exc)
+        if error is not exc:
+            raise error from exc
+        raise
     return PiecewiseGraph(
         num_tokens=inputs.num_tokens,
         pieces=pieces,
@@ -176,11 +172,19 @@ def capture_piecewise(
     )
 
 
-def _abandon(backend: Any, current: Sequence[Any], pieces: list[Any]) -> None:
-    """End a capture in progress (ignoring its error) and reset every piece."""
-    for graph in current:
-        with contextlib.suppress(RuntimeError, backend.CaptureError):
-            graph.capture_end()
+def _abandon(
+    current: list[tuple[Any, Any]], pieces: list[Any], exc: BaseException
+) -> BaseException:
+    """End the capture in progress through its context (which cleans up after a failed capture and
+    reports it as CaptureError), reset every piece, and return the error to raise."""
+    error: BaseException = capture_error_of(exc) or exc
+    for graph, capture in current:
+        try:
+            capture.__exit__(type(exc), exc, exc.__traceback__)
+        except BaseException as raised:  # the context re-raises, possibly translated
+            error = capture_error_of(raised) or raised
         graph.reset()
+    current.clear()
     for piece in pieces:
         piece.reset()
+    return error

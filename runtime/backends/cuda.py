@@ -7,7 +7,7 @@ becomes `CaptureError`, and the failed capture is cleaned up so the process can 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -53,6 +53,9 @@ class CudaBackend:
         stream: torch.cuda.Stream | None = None,
         capture_error_mode: str = "global",
     ) -> Iterator[torch.cuda.CUDAGraph]:
+        # An explicit pool even for a private capture: its id is what a failed capture must give
+        # back, and torch only reveals a graph's pool after a successful capture.
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         ctx = torch.cuda.graph(
             cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode
         )
@@ -60,7 +63,7 @@ class CudaBackend:
         try:
             yield cuda_graph
         except BaseException as exc:
-            self._close_failed_capture(ctx, cuda_graph, exc)
+            self._close_failed_capture(ctx, cuda_graph, pool, exc)
             error = capture_error_of(exc)
             if error is not None and error is not exc:
                 raise error from exc
@@ -68,15 +71,30 @@ class CudaBackend:
         try:
             ctx.__exit__(None, None, None)
         except RuntimeError as exc:
-            cuda_graph.reset()
+            _release_capture_pool(cuda_graph, pool)
             raise CaptureError(f"capture failed at capture_end: {exc}") from exc
 
     @staticmethod
     def _close_failed_capture(
-        ctx: Any, cuda_graph: torch.cuda.CUDAGraph, exc: BaseException
+        ctx: Any, cuda_graph: torch.cuda.CUDAGraph, pool: Any, exc: BaseException
     ) -> None:
-        # Ending an invalidated capture raises; what matters is that capture mode is left and the
-        # pool stops receiving allocations, which capture_end does before it reports the error.
-        with suppress(RuntimeError):
+        try:
             ctx.__exit__(type(exc), exc, exc.__traceback__)
-        cuda_graph.reset()
+        except RuntimeError:
+            _release_capture_pool(cuda_graph, pool)
+        else:
+            cuda_graph.reset()
+
+
+def _release_capture_pool(cuda_graph: torch.cuda.CUDAGraph, pool: Any) -> None:
+    """Undo what capture_begin did to the caching allocator when capture_end failed.
+
+    torch's capture_end raises at cudaStreamEndCapture, before it tells the allocator the capture
+    is over: allocations would keep going to the graph's pool and the allocator would believe a
+    capture is still under way (its next empty_cache or pool release aborts the process). End the
+    routing and drop the reference the capture took on the pool, then reset the graph.
+    """
+    device = torch.cuda.current_device()
+    torch._C._cuda_endAllocateToPool(device, pool)
+    torch._C._cuda_releasePool(device, pool)
+    cuda_graph.reset()

@@ -123,8 +123,10 @@ class CudaView:
 
     def _close(self) -> None:
         self.closed = True
-        self.mempool = None
+        # Registered before the pool goes: dropping it hands segments back through _free, which
+        # unregisters the view once the last one is gone.
         _unreleased_views.add(self)
+        self.mempool = None
         # Segments nothing uses any more come back through _free now; the rest when they die.
         torch.cuda.empty_cache()
         self._unmap_if_unused()
