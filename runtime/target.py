@@ -106,7 +106,7 @@ def make_target(
     max_num_tokens: int = 128,
     max_query_len: int = 4,
     memory: str = "shared",
-    piecewise: bool = False,
+    piecewise: bool = True,
 ) -> RuntimeTarget:
     """The default target on `backend` ("sim" | "cuda" | "auto").
 

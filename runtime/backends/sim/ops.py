@@ -102,8 +102,41 @@ def fresh_return_positions(func: Any) -> list[int]:
     return [i for i, r in enumerate(func._schema.returns) if r.alias_info is None]
 
 
+_META_CACHE: dict[Any, list[Any]] = {}
+_META_CACHE_LIMIT = 4096
+
+
+def _signature(x: Any) -> Any:
+    """A hashable stand-in for an argument as far as output metadata goes (a tensor's layout, a
+    list's items); raises TypeError for anything unhashable."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype)
+    if isinstance(x, list | tuple):
+        return tuple(_signature(i) for i in x)
+    hash(x)
+    return x
+
+
 def meta_outputs(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
-    """The call's returns computed on the meta device (shapes, strides, dtypes; no data)."""
+    """The call's returns computed on the meta device (shapes, strides, dtypes; no data).
+
+    Memoised by argument layout: a runner captures the same shapes over and over, and running an
+    operation on the meta device costs far more than looking its result up.
+    """
+    try:
+        key = (func, _signature(list(args)), _signature(sorted(kwargs.items())))
+    except TypeError:
+        return _compute_meta_outputs(func, args, kwargs)
+    cached = _META_CACHE.get(key)
+    if cached is None:
+        cached = _compute_meta_outputs(func, args, kwargs)
+        if len(_META_CACHE) >= _META_CACHE_LIMIT:
+            _META_CACHE.clear()
+        _META_CACHE[key] = cached
+    return cached
+
+
+def _compute_meta_outputs(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
 
     def to_meta(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
