@@ -9,6 +9,7 @@ eagerly on the same static inputs. Results are copies the caller owns.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -21,7 +22,7 @@ from pytest_graphmode.runtime.buffers import InputLimits, StaticInputs
 from pytest_graphmode.runtime.capture import CapturedStep, StepFn, capture_full, capture_pieces
 from pytest_graphmode.runtime.dispatch import CAPTURE_FAILED, Decision, Dispatcher
 from pytest_graphmode.runtime.keys import GraphKey, uses_adapters
-from pytest_graphmode.runtime.memory import make_graph_memory
+from pytest_graphmode.runtime.memory import GraphMemory, VmmUnsupportedError, make_graph_memory
 from pytest_graphmode.runtime.model import (
     PAD_ADAPTER,
     PAD_POSITION,
@@ -43,7 +44,8 @@ class GraphExecutor:
     `max_num_tokens` tokens; larger batches are rejected. With `piecewise`, batches no FULL graph
     serves run as PIECEWISE graphs keyed by their token count padded to a power of two (attention
     runs eagerly between the pieces); without it they run eagerly. `memory` is the graph-memory
-    strategy ("separate" | "shared" | "vmm").
+    strategy ("separate" | "shared" | "vmm"), or "auto": vmm where it can run, else shared with a
+    warning that says why (`memory_note` keeps the reason).
     """
 
     def __init__(
@@ -53,7 +55,7 @@ class GraphExecutor:
         *,
         capture_sizes: Sequence[int],
         max_query_len: int = 1,
-        memory: str = "shared",
+        memory: str = "auto",
         piecewise: bool = False,
         max_num_reqs: int | None = None,
         max_num_tokens: int | None = None,
@@ -98,7 +100,8 @@ class GraphExecutor:
             adapter=PAD_ADAPTER,
         )
         self.inputs = StaticInputs(limits, policy, backend)
-        self._memory = make_graph_memory(memory, backend)
+        self.memory_note: str | None = None
+        self._memory = self._graph_memory(memory)
         self._graphs: dict[GraphKey, CapturedStep] = {}
         self._failed: dict[GraphKey, str] = {}
         self._stats = StatsRecorder()
@@ -157,6 +160,19 @@ class GraphExecutor:
             assert key.num_reqs is not None  # full keys always carry a request count
             self.inputs.stage(Batch(()), key.num_reqs, key.num_tokens)
             self._capture(key, key.num_reqs)
+
+    def _graph_memory(self, strategy: str) -> GraphMemory:
+        if strategy != "auto":
+            return make_graph_memory(strategy, self.backend)
+        try:
+            return make_graph_memory("vmm", self.backend)
+        except VmmUnsupportedError as unsupported:
+            self.memory_note = (
+                f"vmm graph memory unavailable ({unsupported.reason}): using one shared pool, "
+                "captured largest first"
+            )
+            warnings.warn(self.memory_note, RuntimeWarning, stacklevel=3)
+            return make_graph_memory("shared", self.backend)
 
     def invalidate(self, reason: str) -> None:
         """Drop every graph (and forget failed captures): call it when weights or configuration

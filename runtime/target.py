@@ -105,7 +105,7 @@ def make_target(
     max_num_reqs: int = 32,
     max_num_tokens: int = 128,
     max_query_len: int = 4,
-    memory: str = "shared",
+    memory: str = "auto",
     piecewise: bool = True,
 ) -> RuntimeTarget:
     """The default target on `backend` ("sim" | "cuda" | "auto").
