@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pytest_graphmode import Request
@@ -136,10 +136,11 @@ def _mixed_steps(draw: st.DrawFn) -> list[list[Request]]:
     return steps
 
 
-@settings(max_examples=8)
+# The backend fixture holds no per-example state, so sharing it across examples is safe.
+@settings(max_examples=8, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=_mixed_steps())
-def test_piecewise_matches_eager_for_prefill_chunked_and_mixed_batches(steps):
-    twins = Twins(backends.get("sim"))
+def test_piecewise_matches_eager_for_prefill_chunked_and_mixed_batches(be, steps):
+    twins = Twins(be)
     for requests in steps:
         graph_logits, eager_logits = twins.step(requests)
         torch.testing.assert_close(graph_logits, eager_logits, rtol=1e-4, atol=1e-4)
