@@ -1,5 +1,6 @@
 """The CUDA VMM pool on a real GPU: the same guarantees as the host pool, through real captures."""
 
+import os
 import random
 from types import SimpleNamespace
 
@@ -191,7 +192,9 @@ def test_close_returns_device_memory_twenty_times():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     assert cuda_vmm._unreleased_views <= unreleased_before
-    assert torch.cuda.mem_get_info()[0] >= free_before - 2 * MiB
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        # Free device memory is device-wide: only meaningful while no other worker shares the GPU.
+        assert torch.cuda.mem_get_info()[0] >= free_before - 2 * MiB
 
 
 def test_granularity_must_be_a_multiple_of_the_device_granularity():
