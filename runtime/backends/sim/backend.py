@@ -316,7 +316,8 @@ class SimBackend:
         active = self._active
         if active is not None and self._current in active.unjoined:
             raise active.capture.fail("replaying a graph inside a capture is not supported by sim")
-        program.check_alive()
+        # Internal: the check's own tensor operations are no scheduling points for queued work.
+        self._internal(program.check_alive)
         self._submit(self._current, program.run, "graph replay")
 
     # -- dispatch ------------------------------------------------------------------------------
@@ -327,7 +328,7 @@ class SimBackend:
             self.scheduler.drain(stream)
             self._internal(run)
         else:
-            self.scheduler.enqueue(stream, new_work(lambda: self._internal(run), label))
+            self.scheduler.enqueue(stream, new_work(lambda: self._internal(run), label, None))
 
     def _internal(self, run: Callable[[], Any]) -> Any:
         self._passthrough += 1
@@ -359,13 +360,18 @@ class SimBackend:
         self.scheduler.maybe_progress()
         if func is ops.aten.copy_.default and any(pinned):
             non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            dst, src = args[0], args[1]
             if non_blocking:
-                dst, src = args[0], args[1]
-                self.scheduler.enqueue(
-                    stream, new_work(lambda: self._internal(lambda: dst.copy_(src)), "async copy")
+                work = new_work(
+                    lambda: self._internal(lambda: dst.copy_(src)), "async copy", _storages([dst])
                 )
+                self.scheduler.enqueue(stream, work)
                 return dst
-            self.scheduler.drain(stream)
+            if self.scheduler.writes_pending(stream, _storage(src)):
+                # A blocking read of device memory waits for the work that writes it.
+                self.scheduler.drain(stream)
+            # Otherwise a host memcpy: it does not wait for the device (queued copies still
+            # reading a pinned source then see the new contents, as on a GPU).
             return func(*args, **kwargs)
         if ops.capture_violation(func, args, kwargs) is not None:
             self.scheduler.drain(stream)
@@ -395,8 +401,18 @@ class SimBackend:
             for p, out in fresh.items():
                 out.copy_(results[p])
 
-        self.scheduler.enqueue(stream, new_work(lambda: self._internal(run), ops.op_name(func)))
+        written = [*fresh.values(), *ops.written_args(func, args, kwargs)]
+        work = new_work(lambda: self._internal(run), ops.op_name(func), _storages(written))
+        self.scheduler.enqueue(stream, work)
         return ops.assemble_returns(func, args, kwargs, fresh)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
+
+
+def _storages(tensors: list[torch.Tensor]) -> frozenset[int]:
+    return frozenset(_storage(t) for t in tensors)
 
 
 def _release_block(pool: Any, block: torch.Tensor) -> None:
