@@ -51,7 +51,12 @@ def differences(
     if equal is None:
         equal = (expected == actual) | (expected != expected) & (actual != actual)
     differing = ~equal
-    index = tuple(int(i) for i in differing.nonzero()[0]) if bool(differing.any()) else ()
+    if not bool(differing.any()):
+        # The fault is elsewhere (e.g. the same logits sampled to different tokens): say so
+        # rather than pick an element.
+        same = f"all {equal.numel()} elements equal"
+        return {"expected": same, "actual": same}
+    index = tuple(int(i) for i in differing.nonzero()[0])
     where = f"element {index}" if index else "value"
     return {
         "expected": f"{where} = {expected[index].item()!r}",

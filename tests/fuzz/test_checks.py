@@ -7,6 +7,7 @@ import torch
 from pytest_graphmode.contract import AddressView, Batch, Request, StepResult, TargetSpec
 from pytest_graphmode.fuzz import addresses, checks, kv_checks, sampling
 from pytest_graphmode.fuzz.checks import Outcome
+from pytest_graphmode.fuzz.violation import differences
 
 SPEC = TargetSpec(
     num_blocks=4,
@@ -217,3 +218,18 @@ def test_a_stray_write_reports_the_first_changed_element_not_the_whole_row():
     [v] = kv_checks.kv_writes_confined(BATCH, before, after, SPEC)
     assert v.expected == "element (1, 2) = 0.0"
     assert v.actual == "element (1, 2) = nan (1 of 6 elements differ)"
+
+
+def test_differences_of_equal_rows_say_so_instead_of_picking_an_element() -> None:
+    row = torch.arange(48.0)
+    texts = differences(row, row.clone())
+    assert texts == {"expected": "all 48 elements equal", "actual": "all 48 elements equal"}
+
+
+def test_differences_name_the_first_differing_element_and_the_count() -> None:
+    expected = torch.zeros(2, 3)
+    actual = expected.clone()
+    actual[1, 2] = 5.0
+    texts = differences(expected, actual)
+    assert texts["expected"] == "element (1, 2) = 0.0"
+    assert texts["actual"] == "element (1, 2) = 5.0 (1 of 6 elements differ)"

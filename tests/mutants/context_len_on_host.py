@@ -21,7 +21,9 @@ BUG_CLASS = 4
 EXPECTED_CHECK = "replay_matches_eager"
 
 
-def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, inputs: minimal.StepInputs, keys: int) -> Tensor:
+def attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, inputs: minimal.StepInputs, keys: int
+) -> Tensor:
     """`minimal._attention` over the first `keys` positions of each block table only."""
     size = minimal.SPEC.block_size
     offsets = torch.arange(size, device=q.device)

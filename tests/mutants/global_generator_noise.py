@@ -27,5 +27,7 @@ class GlobalGeneratorNoise(minimal.MinimalRunner):
         return logits, torch.where(inputs.sampled, noisy.argmax(-1), logits.argmax(-1))
 
 
-def make_target(mode: Literal["graph", "eager"], *, seed: int, backend: str) -> GlobalGeneratorNoise:
+def make_target(
+    mode: Literal["graph", "eager"], *, seed: int, backend: str
+) -> GlobalGeneratorNoise:
     return GlobalGeneratorNoise(mode, seed=seed, backend=backend)

@@ -24,7 +24,9 @@ class NoiseKeyedByRow(minimal.MinimalRunner):
     def run_model(self, inputs: minimal.StepInputs) -> tuple[Tensor, Tensor]:
         logits = self.model.forward(inputs, self.kv)
         rows = torch.arange(logits.shape[0], device=logits.device)
-        return logits, minimal.sample(logits, dataclasses.replace(inputs, positions=rows, last=None))
+        return logits, minimal.sample(
+            logits, dataclasses.replace(inputs, positions=rows, last=None)
+        )
 
 
 def make_target(mode: Literal["graph", "eager"], *, seed: int, backend: str) -> NoiseKeyedByRow:

@@ -17,11 +17,13 @@ from pytest_graphmode.contract import Batch
 from tests.runners import minimal
 
 BUG_CLASS = 1
-EXPECTED_CHECK = "kv_writes_confined"
+EXPECTED_CHECK = "states_match"
 SKIP_SLOT = -1
 
 
-def forward(model: minimal.TinyDecoder, inputs: minimal.StepInputs, kv: list[tuple[Tensor, Tensor]]) -> Tensor:
+def forward(
+    model: minimal.TinyDecoder, inputs: minimal.StepInputs, kv: list[tuple[Tensor, Tensor]]
+) -> Tensor:
     """`TinyDecoder.forward` with the cache write done by indexed assignment."""
     w = model.weights
     x = w["embed"][inputs.tokens] + w["pos"][inputs.positions]  # [T, hidden]

@@ -1,10 +1,11 @@
-"""Class 8, async staging races: every integer static input is staged through the same small pinned host
-buffer with a non_blocking copy, and the next field overwrites the staging buffer before the
-previous field's copy has run.
+"""Class 8, async staging races: the integer static inputs are staged one after another through
+the same pinned host buffer, each followed by a non_blocking copy, and the next field overwrites
+the staging buffer before the previous field's copy has run.
 
-Mirrors input preparation that reuses one pinned staging tensor for several asynchronous
-host-to-device copies without an event between them: a queued copy reads its source when it runs,
-so fields end up holding another field's values, depending on how far the GPU lags behind.
+Mirrors input preparation that fills a pinned CPU buffer through its numpy view and issues the
+host-to-device copy asynchronously, then reuses the buffer without waiting on an event: a queued
+copy reads its source when it runs, so a field ends up holding another field's values whenever the
+device lags behind the host.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class StagingBufferReused(minimal.MinimalRunner):
     def __init__(self, mode: Literal["graph", "eager"], *, seed: int, backend: str) -> None:
         words = minimal.SPEC.capture_sizes[-1] * minimal.SPEC.max_blocks_per_req
         self.staging = minimal.get_backend(backend).empty_pinned(words, dtype=torch.int64)
+        self.staging_np = self.staging.numpy()  # host writes, as a numpy view of pinned memory
         super().__init__(mode, seed=seed, backend=backend)
 
     def prepare(self, batch: Batch, size: int) -> None:
@@ -32,15 +34,19 @@ class StagingBufferReused(minimal.MinimalRunner):
             buffer[n:size].fill_(minimal._PADDING[name])
         if not n:
             return
-        for name, values in minimal._decode_rows(batch.requests).items():
-            buffer = self.buffers[name]
-            host = torch.tensor(values, dtype=buffer.dtype)
+        rows = minimal._decode_rows(batch.requests)
+        arrays, sources, targets = {}, {}, {}
+        for name, buffer in self.buffers.items():
+            values = torch.tensor(rows[name], dtype=buffer.dtype)
             if buffer.dtype != torch.int64:  # flags and temperatures: small, copied directly
-                buffer[:n].copy_(host)
+                buffer[:n].copy_(values)
                 continue
-            staged = self.staging[: host.numel()].view(host.shape)
-            staged.copy_(host)
-            buffer[:n].copy_(staged, non_blocking=True)
+            arrays[name] = values.view(-1).numpy()
+            sources[name] = self.staging[: values.numel()].view(values.shape)
+            targets[name] = buffer[:n]
+        for name, array in arrays.items():
+            self.staging_np[: array.size] = array
+            targets[name].copy_(sources[name], non_blocking=True)
 
 
 def make_target(mode: Literal["graph", "eager"], *, seed: int, backend: str) -> StagingBufferReused:

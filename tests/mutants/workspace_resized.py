@@ -1,19 +1,20 @@
-"""Class 6, unstable addresses: the logits are computed into a workspace sized for the largest
-graph, and an eager batch with more requests grows the workspace in place (`resize_`).
+"""Class 6, unstable addresses: the step runs through a token scratch buffer sized for the largest
+graph, which an eager step with more tokens grows in place (`resize_`).
 
 Mirrors attention and sampling backends that allocate their workspace lazily and enlarge it when a
-bigger batch arrives: growing moves the storage, while every captured graph still writes the old
-address. The sim backend reports the replay's access to the reallocated tensor.
+bigger batch arrives (a long prefill on the eager path): growing moves the storage while every
+captured graph still uses the old address. The sim backend reports the replay's access to the
+reallocated tensor; a GPU reads or writes freed memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from pytest_graphmode.contract import Batch, StepResult
 from tests.runners import minimal
 
 BUG_CLASS = 6
@@ -22,22 +23,19 @@ EXPECTED_CHECK = "replay_matches_eager"
 
 class WorkspaceResized(minimal.MinimalRunner):
     def __init__(self, mode: Literal["graph", "eager"], *, seed: int, backend: str) -> None:
-        rows = minimal.SPEC.capture_sizes[-1]
-        self.workspace = torch.zeros(rows, minimal.SPEC.vocab_size, device=minimal.get_backend(backend).device)
+        device = minimal.get_backend(backend).device
+        self.workspace = torch.zeros(
+            minimal.SPEC.capture_sizes[-1], dtype=torch.int64, device=device
+        )
         super().__init__(mode, seed=seed, backend=backend)
 
     def run_model(self, inputs: minimal.StepInputs) -> tuple[Tensor, Tensor]:
-        rows = inputs.seeds.shape[0]
-        if rows > self.workspace.shape[0]:
-            self.workspace.resize_(rows, minimal.SPEC.vocab_size)
-        logits = self.workspace[:rows]
-        logits.copy_(self.model.forward(inputs, self.kv))
-        return logits, minimal.sample(logits, inputs)
-
-    def run_eager(self, batch: Batch, reason: str) -> StepResult:
-        result = super().run_eager(batch, reason)
-        result.logits = result.logits.clone()  # the workspace is reused by the next step
-        return result
+        tokens = inputs.tokens.shape[0]
+        if tokens > self.workspace.shape[0]:
+            self.workspace.resize_(tokens)
+        scratch = self.workspace[:tokens]
+        scratch.copy_(inputs.tokens)
+        return super().run_model(dataclasses.replace(inputs, tokens=scratch))
 
 
 def make_target(mode: Literal["graph", "eager"], *, seed: int, backend: str) -> WorkspaceResized:

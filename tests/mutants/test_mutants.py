@@ -1,0 +1,56 @@
+"""The harness fails every mutant of the zoo with the check its module names, within the default
+budget, and passes the correct targets on every seed (no false positives).
+
+The detection tests run one fixed campaign seed; `measure.py` runs ten per mutant and records the
+spread in docs/mutants.md. The no-false-positive tests run twenty seeds per correct target with a
+reduced budget per seed; the full-budget figures are in the same document.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
+from tests.mutants.budget import detection_settings
+from tests.mutants.measure import CORRECT_TARGETS, correct_factory
+from tests.mutants.zoo import MUTANTS, Mutant
+
+DETECTION_SEED = 0
+NO_FALSE_POSITIVE_SEEDS = range(20)
+CI_EXAMPLES, CI_STEPS = 3, 12  # per seed; measure.py runs the full 50 x 12
+
+
+def test_the_zoo_covers_every_single_rank_bug_class() -> None:
+    assert {mutant.bug_class for mutant in MUTANTS} == {*range(1, 11), 12}
+
+
+def test_every_mutant_names_its_public_counterpart_in_its_docstring() -> None:
+    for mutant in MUTANTS:
+        assert mutant.summary.startswith(f"Class {mutant.bug_class}, "), mutant.name
+        assert "\nMirrors " in (importlib.import_module(mutant.module).__doc__ or ""), mutant.name
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[mutant.name for mutant in MUTANTS])
+def test_the_harness_fails_the_mutant_with_its_check(mutant: Mutant) -> None:
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(
+            mutant.factory, backend="sim", seed=DETECTION_SEED, settings=detection_settings()
+        )
+    failure = caught.value.failure
+    assert failure.check == mutant.check, failure.message
+
+
+@pytest.mark.parametrize("seed", NO_FALSE_POSITIVE_SEEDS)
+@pytest.mark.parametrize("target", CORRECT_TARGETS)
+def test_a_correct_target_passes_every_check(target: str, seed: int) -> None:
+    stats = run_campaign(
+        correct_factory(target),
+        backend="sim",
+        max_steps=CI_STEPS,
+        seed=seed,
+        settings=detection_settings(CI_EXAMPLES),
+    )
+    assert stats.failures == []
+    assert stats.steps >= CI_EXAMPLES
