@@ -1,8 +1,11 @@
 """The harness fails every mutant of the zoo with the check its module names, within the default
 budget, and passes the correct targets on every seed (no false positives).
 
-The detection tests run one fixed campaign seed; `measure.py` runs ten per mutant and records the
-spread in docs/mutants.md. The no-false-positive tests run twenty seeds per correct target with a
+The detection tests run campaigns with up to three seeds until one fails: a seed alone does not pin
+what Hypothesis draws (it also mixes in constants from the modules the process has loaded, which
+depend on the tests that ran before), and every mutant is caught on at least nine seeds of ten, so
+missing three in a row means the harness lost its grip. `measure.py` runs ten seeds per mutant and
+records the spread in docs/mutants.md. The no-false-positive tests run twenty seeds per correct target with a
 reduced budget per seed; the full-budget figures are in the same document.
 """
 
@@ -12,12 +15,12 @@ import importlib
 
 import pytest
 
-from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
+from pytest_graphmode.fuzz import Failure, GraphmodeFailure, run_campaign
 from tests.mutants.budget import detection_settings
 from tests.mutants.measure import CORRECT_TARGETS, correct_factory
 from tests.mutants.zoo import MUTANTS, Mutant
 
-DETECTION_SEED = 0
+DETECTION_SEEDS = (0, 1, 2)
 NO_FALSE_POSITIVE_SEEDS = range(20)
 CI_EXAMPLES, CI_STEPS = 3, 12  # per seed; measure.py runs the full 50 x 12
 
@@ -34,12 +37,20 @@ def test_every_mutant_names_its_public_counterpart_in_its_docstring() -> None:
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[mutant.name for mutant in MUTANTS])
 def test_the_harness_fails_the_mutant_with_its_check(mutant: Mutant) -> None:
-    with pytest.raises(GraphmodeFailure) as caught:
-        run_campaign(
-            mutant.factory, backend="sim", seed=DETECTION_SEED, settings=detection_settings()
-        )
-    failure = caught.value.failure
+    failure = _first_failure(mutant)
+    assert failure is not None, (
+        f"{mutant.name} passed {len(DETECTION_SEEDS)} campaigns of the default budget"
+    )
     assert failure.check == mutant.check, failure.message
+
+
+def _first_failure(mutant: Mutant) -> Failure | None:
+    for seed in DETECTION_SEEDS:
+        try:
+            run_campaign(mutant.factory, backend="sim", seed=seed, settings=detection_settings())
+        except GraphmodeFailure as caught:
+            return caught.failure
+    return None
 
 
 @pytest.mark.parametrize("seed", NO_FALSE_POSITIVE_SEEDS)
