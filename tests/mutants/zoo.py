@@ -38,6 +38,8 @@ class Mutant:
     check: str
     factory: TargetFactory
     summary: str  # the first paragraph of the module's docstring
+    # Other checks that see the same bug when they run first on a step (a module's ALSO_SEEN_BY).
+    also: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
@@ -47,7 +49,8 @@ class Mutant:
 def load(name: str) -> Mutant:
     module = importlib.import_module(f"{__package__}.{name}")
     summary = (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
-    return Mutant(name, module.BUG_CLASS, module.EXPECTED_CHECK, module.make_target, summary)
+    also = tuple(getattr(module, "ALSO_SEEN_BY", ()))
+    return Mutant(name, module.BUG_CLASS, module.EXPECTED_CHECK, module.make_target, summary, also)
 
 
 MUTANTS = tuple(load(name) for name in MODULES)
