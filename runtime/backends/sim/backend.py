@@ -56,7 +56,6 @@ class _Active:
     graph: SimGraph
     capture: Capture
     origin: SimStream
-    pool: Any
     # member stream -> whether it has work not yet joined back into the origin
     unjoined: dict[SimStream, bool] = field(default_factory=dict)
     ops_on: dict[SimStream, int] = field(default_factory=dict)
@@ -271,7 +270,7 @@ class SimBackend:
         handle = self._resolve_pool(pool)
         self.scheduler.drain(origin)
         capture = Capture(handle, _release_block)
-        self._active = _Active(graph, capture, origin, handle, {origin: False}, {origin: 0})
+        self._active = _Active(graph, capture, origin, {origin: False}, {origin: 0})
         graph._program = None
         graph._pool = handle
 

@@ -143,7 +143,6 @@ class Capture:
         self._instrs: list[_Instr] = []
         self._ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.invalid: str | None = None
-        self.ops_recorded = 0
 
     def fail(self, message: str) -> CaptureError:
         self.invalid = self.invalid or message
@@ -158,7 +157,6 @@ class Capture:
                 f"{ops.op_name(func)} cannot be captured: {problem}. Move it out of the capture "
                 "region, or keep the value on the device."
             )
-        self.ops_recorded += 1
         if func in ops.CONSTANT_OPS:
             return self._constant(args[0])
         targs = [self._template(a) for a in args]

@@ -8,6 +8,7 @@ at all (it reads device values on the host or has a data-dependent output shape)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,10 +60,9 @@ def op_name(func: Any) -> str:
 
 def capture_violation(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
     """Why `func` cannot be captured, or None when it can."""
-    if func in _HOST_READS:
-        return _HOST_READS[func]
-    if func._schema.name.split("::")[-1] in _DATA_DEPENDENT:
-        return "an operation whose output shape depends on device values (it syncs with the host)"
+    problem = _operation_violation(func)
+    if problem is not None:
+        return problem
     if func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor) and (
         kwargs.get("output_size") is None
     ):
@@ -71,6 +71,17 @@ def capture_violation(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) ->
         isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in _flat(args[1])
     ):
         return "boolean-mask indexing (it computes nonzero and syncs with the host)"
+    return None
+
+
+@functools.cache
+def _operation_violation(func: Any) -> str | None:
+    """The part of `capture_violation` that depends on the operation alone: asked for every
+    dispatched operation, so computed once per operation."""
+    if func in _HOST_READS:
+        return _HOST_READS[func]
+    if func._schema.name.split("::")[-1] in _DATA_DEPENDENT:
+        return "an operation whose output shape depends on device values (it syncs with the host)"
     for ret in func._schema.returns:
         if str(ret.type) not in _TENSOR_RETURN_TYPES:
             return f"an operation returning a host value ({ret.type})"

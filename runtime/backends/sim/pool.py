@@ -43,15 +43,10 @@ class SimPoolHandle:
         self._chunks: list[torch.Tensor] = []
         # per chunk: sorted list of free (start, end) byte ranges
         self._free: list[list[tuple[int, int]]] = []
-        self._in_use = 0
 
     @property
     def reserved_bytes(self) -> int:
         return sum(c.numel() for c in self._chunks)
-
-    @property
-    def allocated_bytes(self) -> int:
-        return self._in_use
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         size = _round_up(max(nbytes, 1), ALIGNMENT)
@@ -72,7 +67,6 @@ class SimPoolHandle:
             del self._free[c][i]
         else:
             self._free[c][i] = (start + size, end)
-        self._in_use += size
         return self._chunks[c][start : start + nbytes]
 
     def release(self, block: torch.Tensor) -> None:
@@ -80,7 +74,6 @@ class SimPoolHandle:
             start = block.data_ptr() - chunk.data_ptr()
             if 0 <= start < chunk.numel():
                 size = _round_up(max(block.numel(), 1), ALIGNMENT)
-                self._in_use -= size
                 self._insert_free(c, start, start + size)
                 return
         raise ValueError("block does not belong to this pool")
