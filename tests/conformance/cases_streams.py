@@ -1,0 +1,162 @@
+"""Streams and events: forking side streams into a capture, joining them, and what stays outside."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.conformance.case import busy, case, racy, value
+
+
+def _fork_join(be: Any, x: torch.Tensor, join: str) -> tuple[Any, torch.Tensor]:
+    """k3 = 2 (x + 1) + 3 (x + 1), the two products on two streams; `join` picks how (or whether)
+    the side stream is joined back."""
+    side = be.Stream()
+    g = be.Graph()
+    with be.graph(g):
+        origin = be.current_stream()
+        k0 = x + 1
+        if join == "events":
+            forked = be.Event()
+            forked.record(origin)
+            side.wait_event(forked)
+        else:
+            side.wait_stream(origin)
+        k1 = k0 * 2
+        with be.stream(side):
+            k2 = k0 * 3
+        if join == "events":
+            done = be.Event()
+            done.record(side)
+            origin.wait_event(done)
+        elif join == "wait_stream":
+            origin.wait_stream(side)
+        k3 = k1 + k2
+    return g, k3
+
+
+@case("value=[5.0, 10.0, 15.0]")
+def fork_and_join_with_wait_stream(be: Any) -> str:
+    x = torch.zeros(3, device=be.device)
+    g, out = _fork_join(be, x, "wait_stream")
+    x.copy_(torch.arange(3.0, device=be.device))
+    g.replay()
+    return value(be, out)
+
+
+@case("value=[5.0, 10.0, 15.0]")
+def fork_and_join_with_events(be: Any) -> str:
+    x = torch.zeros(3, device=be.device)
+    g, out = _fork_join(be, x, "events")
+    x.copy_(torch.arange(3.0, device=be.device))
+    g.replay()
+    return value(be, out)
+
+
+@case("raises CaptureError")
+def side_stream_not_joined_before_capture_end(be: Any) -> str:
+    _fork_join(be, torch.zeros(3, device=be.device), "none")
+    return "captured"
+
+
+@case(
+    "raises CaptureError",
+    pending="sim device: waiting on an event recorded before the capture must be refused",
+)
+def wait_on_an_event_recorded_before_capture(be: Any) -> str:
+    x = torch.ones(4, device=be.device)
+    earlier = be.Event()
+    earlier.record()
+    be.synchronize()
+    g = be.Graph()
+    with be.graph(g):
+        be.current_stream().wait_event(earlier)
+        x * 2
+    return "captured"
+
+
+@case("not replayed")
+def in_place_work_on_an_outside_stream_is_not_recorded(be: Any) -> str:
+    x = torch.ones(4, device=be.device)
+    side_result = torch.zeros(4, device=be.device)
+    outsider = be.Stream()
+    g = be.Graph()
+    with be.graph(g):
+        x * 2
+        with be.stream(outsider):  # never forked into the capture: runs now
+            torch.mul(x, 7, out=side_result)
+    be.synchronize()
+    if not bool((side_result == 7).all()):
+        return "did not run at capture"
+    side_result.zero_()
+    g.replay()
+    be.synchronize()
+    return "not replayed" if not side_result.any() else "replayed"
+
+
+@case(
+    "raises CaptureError",
+    pending="sim device: an allocation on a stream outside a running capture must be refused",
+)
+def allocation_on_an_outside_stream_during_capture(be: Any) -> str:
+    x = torch.ones(4, device=be.device)
+    outsider = be.Stream()
+    g = be.Graph()
+    with be.graph(g):
+        x * 2
+        with be.stream(outsider):
+            # 32 MiB: no cached block can serve it, so the allocator must ask the driver.
+            torch.zeros(8 << 20, device=be.device)
+    return "captured"
+
+
+def _replay_on_a_side_stream(be: Any, wait: bool) -> str:
+    x = torch.ones(4, device=be.device)
+    g = be.Graph()
+    with be.graph(g):
+        y = x * 2
+    g.replay()
+    x.fill_(5.0)
+    be.synchronize()
+
+    def trial() -> str:
+        y.fill_(2.0)
+        be.synchronize()
+        side = be.Stream()
+        with be.stream(side):
+            busy(be)
+            g.replay()
+        if wait:
+            be.current_stream().wait_stream(side)
+        seen = y.clone()  # on the default stream
+        return "fresh" if bool((seen == 10.0).all()) else "stale"
+
+    return racy(be, trial, shows="stale")
+
+
+@case("stale")
+def output_read_without_waiting_for_the_replay_stream(be: Any) -> str:
+    return _replay_on_a_side_stream(be, wait=False)
+
+
+@case("fresh")
+def output_read_after_waiting_for_the_replay_stream(be: Any) -> str:
+    return _replay_on_a_side_stream(be, wait=True)
+
+
+@case("value=[4.0, 4.0]")
+def replay_waits_for_an_event_from_a_copy_stream(be: Any) -> str:
+    x = torch.zeros(2, device=be.device)
+    g = be.Graph()
+    with be.graph(g):
+        y = x * 2
+    copy_stream = be.Stream()
+    with be.stream(copy_stream):
+        busy(be)
+        x.fill_(2.0)
+        copied = be.Event()
+        copied.record()
+    be.current_stream().wait_event(copied)
+    g.replay()
+    return value(be, y)

@@ -1,0 +1,39 @@
+"""Every conformance case, in a stable order (topic by topic, as the modules declare them)."""
+
+from __future__ import annotations
+
+from tests.conformance import (
+    cases_async,
+    cases_capture,
+    cases_graph,
+    cases_lifetime,
+    cases_pools,
+    cases_replay,
+    cases_rng,
+    cases_streams,
+)
+from tests.conformance.case import CASES, Case
+
+# Importing a case module registers its cases; the tuple keeps the imports meaningful to linters.
+MODULES = (
+    cases_capture,
+    cases_replay,
+    cases_pools,
+    cases_graph,
+    cases_rng,
+    cases_streams,
+    cases_async,
+    cases_lifetime,
+)
+
+
+def all_cases() -> list[Case]:
+    order = [m.__name__.rsplit(".", 1)[-1].removeprefix("cases_") for m in MODULES]
+    return sorted(CASES, key=lambda c: order.index(c.topic))
+
+
+def available_backends() -> list[str]:
+    """cuda first: sim's process-wide hooks must not be in place while cuda cases run."""
+    import torch
+
+    return ["cuda", "sim"] if torch.cuda.is_available() else ["sim"]

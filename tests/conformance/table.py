@@ -1,0 +1,86 @@
+"""Run every conformance case on every available backend and print the comparison table.
+
+    python -m tests.conformance.table [--out PATH] [--only SUBSTRING]
+
+One process, cuda first (when a GPU is present), then sim. A case that raises is recorded with its
+exception as the outcome; after each case the device is settled (synchronized, default stream
+current, cache emptied), so one case cannot change the next one's result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from pytest_graphmode.runtime import backends
+from tests.conformance.case import Case, Result, outcome_of, settle
+from tests.conformance.catalog import all_cases, available_backends
+
+
+def measure(names: list[str], cases: list[Case]) -> dict[str, dict[str, Result]]:
+    """backend name -> case name -> result."""
+    results: dict[str, dict[str, Result]] = {}
+    for name in names:
+        be = backends.get(name)
+        settle(be)
+        results[name] = {}
+        for c in cases:
+            start = time.perf_counter()
+            try:
+                results[name][c.name] = outcome_of(be, c)
+            except Exception as exc:  # settling the device afterwards failed: keep going
+                results[name][c.name] = Result(f"crashed ({type(exc).__name__})", str(exc)[:200])
+            elapsed = time.perf_counter() - start
+            if elapsed > 1.0:
+                print(f"slow: {c.name} on {name} took {elapsed:.1f} s", file=sys.stderr)
+    return results
+
+
+def _verdict(c: Case, measured: dict[str, Result]) -> str:
+    if all(r.outcome == c.expected(name) for name, r in measured.items()):
+        if c.deliberate and "sim" in measured:
+            return "deliberate"
+        return "yes" if len(measured) > 1 else "yes (as expected)"
+    return "no"
+
+
+def render(names: list[str], cases: list[Case], results: dict[str, dict[str, Result]]) -> str:
+    """The markdown table. With one backend, its outcomes are compared with CUDA's declared ones."""
+    declared = "cuda" not in names
+    head = ["case", "topic", *(["cuda (expected)"] if declared else []), *names, "agree?", "note"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for c in cases:
+        measured = {name: results[name][c.name] for name in names}
+        row = [f"`{c.name}`", c.topic, *([c.cuda] if declared else [])]
+        row += [measured[name].outcome for name in names]
+        verdict = _verdict(c, measured)
+        note = c.note
+        if verdict == "no":
+            details = [f"{n}: {r.detail}" for n, r in measured.items() if r.detail]
+            note = "; ".join(filter(None, [note, *details]))
+        row += [verdict, note.replace("|", "/")]
+        lines.append("| " + " | ".join(row) + " |")
+    agree = sum(_verdict(c, {n: results[n][c.name] for n in names}) != "no" for c in cases)
+    lines.append("")
+    lines.append(f"{agree} of {len(cases)} cases as expected on {', '.join(names)}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="also write the table to this file")
+    parser.add_argument("--only", default="", help="run only the cases whose name contains this")
+    args = parser.parse_args(argv)
+    cases = [c for c in all_cases() if args.only in c.name]
+    names = available_backends()
+    table = render(names, cases, measure(names, cases))
+    print(table, end="")
+    if args.out is not None:
+        args.out.write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
