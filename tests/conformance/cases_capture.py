@@ -72,7 +72,7 @@ def repeat_interleave_with_output_size(be: Any) -> str:
 
 
 @case("captured")
-def device_factories_allocate_from_the_graph_pool(be: Any) -> str:
+def device_factories_are_captured(be: Any) -> str:
     def body(x: torch.Tensor) -> None:
         torch.zeros(4, device=be.device) + torch.arange(4, device=be.device) + x
         torch.full((4,), 3.0, device=be.device).mul_(x)

@@ -39,32 +39,46 @@ def measure(names: list[str], cases: list[Case]) -> dict[str, dict[str, Result]]
 
 
 def _verdict(c: Case, measured: dict[str, Result]) -> str:
-    if all(r.outcome == c.expected(name) for name, r in measured.items()):
-        if c.deliberate and "sim" in measured:
+    """With both backends: do they agree (or differ exactly as documented)? With one: does it
+    show the outcome the case expects of it?"""
+    if "cuda" in measured and "sim" in measured:
+        cuda, sim = measured["cuda"].outcome, measured["sim"].outcome
+        if c.deliberate and cuda == c.cuda and sim == c.sim:
             return "deliberate"
-        return "yes" if len(measured) > 1 else "yes (as expected)"
+        return "yes" if cuda == sim else "no"
+    if all(r.outcome == c.expected(name) for name, r in measured.items()):
+        return "deliberate" if c.deliberate and "sim" in measured else "yes (as expected)"
     return "no"
 
 
+def _note(c: Case, measured: dict[str, Result], verdict: str) -> str:
+    parts = [c.note]
+    cuda = measured.get("cuda")
+    if cuda is not None and cuda.outcome != c.cuda:
+        parts.append(f"cuda differs from the declared {c.cuda!r}")
+    if verdict == "no" or (cuda is not None and cuda.outcome != c.cuda):
+        parts += [f"{n}: {r.detail}" for n, r in measured.items() if r.detail]
+    return "; ".join(p for p in parts if p).replace("|", "/")
+
+
 def render(names: list[str], cases: list[Case], results: dict[str, dict[str, Result]]) -> str:
-    """The markdown table. With one backend, its outcomes are compared with CUDA's declared ones."""
+    """The markdown table. With cuda and sim, `agree?` compares the two (a deliberate difference
+    agrees when both show their documented outcome); with one backend, its outcomes are compared
+    with those the cases declare."""
     declared = "cuda" not in names
     head = ["case", "topic", *(["cuda (expected)"] if declared else []), *names, "agree?", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    agree = 0
     for c in cases:
         measured = {name: results[name][c.name] for name in names}
+        verdict = _verdict(c, measured)
+        agree += verdict != "no"
         row = [f"`{c.name}`", c.topic, *([c.cuda] if declared else [])]
         row += [measured[name].outcome for name in names]
-        verdict = _verdict(c, measured)
-        note = c.note
-        if verdict == "no":
-            details = [f"{n}: {r.detail}" for n, r in measured.items() if r.detail]
-            note = "; ".join(filter(None, [note, *details]))
-        row += [verdict, note.replace("|", "/")]
+        row += [verdict, _note(c, measured, verdict)]
         lines.append("| " + " | ".join(row) + " |")
-    agree = sum(_verdict(c, {n: results[n][c.name] for n in names}) != "no" for c in cases)
-    lines.append("")
-    lines.append(f"{agree} of {len(cases)} cases as expected on {', '.join(names)}.")
+    summary = "agree" if not declared else "as expected"
+    lines += ["", f"{agree} of {len(cases)} cases {summary} on {', '.join(names)}."]
     return "\n".join(lines) + "\n"
 
 

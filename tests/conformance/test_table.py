@@ -57,3 +57,17 @@ def test_sim_alone_is_compared_with_the_declared_cuda_outcome() -> None:
     assert _row(table, "ok") == ["`ok`", "topic", "stale", "stale", "yes (as expected)", ""]
     assert _row(table, "pending")[-2:] == ["no", "sim device: replay is synchronous"]
     assert table.rstrip().endswith("1 of 2 cases as expected on sim.")
+
+
+def test_cuda_outcome_unlike_the_declared_one_is_noted_even_when_sim_agrees() -> None:
+    c = _case("k", cuda="raises CaptureError")
+    results = {
+        "cuda": {"k": Result("raises RuntimeError", "CUDA graphs must be captured on a ...")},
+        "sim": {"k": Result("raises RuntimeError", "")},
+    }
+    row = _row(render(["cuda", "sim"], [c], results), "k")
+    assert row[-2] == "yes"
+    assert row[-1] == (
+        "cuda differs from the declared 'raises CaptureError'; "
+        "cuda: CUDA graphs must be captured on a ..."
+    )
