@@ -21,6 +21,7 @@ _USE_AFTER_FREE = "sim reports a replay that touches freed memory; CUDA silently
 def weight_rebound_and_freed(be: Any) -> str:
     layer = {"weight": torch.ones(4, 4, device=be.device)}
     x = torch.ones(1, 4, device=be.device)
+    x @ layer["weight"]  # warm-up: the first matmul creates the cuBLAS handle
     g = be.Graph()
     with be.graph(g):
         x @ layer["weight"]

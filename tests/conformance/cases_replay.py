@@ -140,6 +140,7 @@ def device_scalar_tensor_is_read_at_replay(be: Any) -> str:
 def weight_updated_in_place(be: Any) -> str:
     weight = torch.ones(3, 2, device=be.device)
     x = torch.ones(1, 3, device=be.device)
+    x @ weight  # warm-up: the first matmul creates the cuBLAS handle, which a capture cannot
     g = be.Graph()
     with be.graph(g):
         y = x @ weight
@@ -153,6 +154,7 @@ def weight_rebound_while_the_old_one_lives(be: Any) -> str:
     layer = {"weight": torch.ones(3, 2, device=be.device)}
     old = layer["weight"]
     x = torch.ones(1, 3, device=be.device)
+    x @ old  # warm-up: the first matmul creates the cuBLAS handle, which a capture cannot
     g = be.Graph()
     with be.graph(g):
         y = x @ layer["weight"]
