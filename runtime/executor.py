@@ -60,7 +60,7 @@ class GraphExecutor:
         max_num_reqs: int | None = None,
         max_num_tokens: int | None = None,
     ) -> None:
-        if torch.device(decoder.device) != torch.device(backend.device):
+        if _normalised(decoder.device) != _normalised(backend.device):
             raise ValueError(
                 f"decoder lives on {decoder.device} but backend {backend.name!r} runs on "
                 f"{backend.device}: build the Decoder with device=backend.device"
@@ -120,6 +120,7 @@ class GraphExecutor:
     def step(self, batch: Batch) -> StepResult:
         """Run one step; raises ValueError (changing nothing) for a batch that cannot be staged."""
         self._check_open()
+        self.inputs.check(batch)  # before routing: a bad batch has no meaningful route
         decision = self._route(batch)
         self.inputs.stage(batch, decision.padded_reqs, decision.padded_tokens)
         captured = None
@@ -244,6 +245,21 @@ class GraphExecutor:
 
         return run
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this GraphExecutor is closed; make a new one to run more steps")
+
+
+def _normalised(device: torch.device | str) -> torch.device:
+    """`device` with the index a bare "cuda" stands for (the current device), so "cuda" and
+    "cuda:0" compare equal there; CPU devices compare equal whatever their index."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.index is None and device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -79,12 +79,16 @@ class RuntimeTarget:
         return {"kv_cache": self.decoder.kv_cache}
 
     def static_buffers(self) -> Mapping[str, Tensor]:
-        return self.executor.inputs.tensors()
+        # The eager twin's buffers are staging, not graph inputs: the contract says `{}`, so the
+        # harness poisons only what graphs read.
+        return self.executor.inputs.tensors() if self.mode == "graph" else {}
 
     def address_views(self) -> Sequence[AddressView]:
         return self.executor.address_views()
 
     def update_weights(self, seed: int) -> None:
+        if self.executor.closed:
+            raise RuntimeError("this target is closed; make a new one to load other weights")
         # The weights are rewritten in place, so the graphs would even read the new values; the
         # executor still drops them: a weight change is a configuration change, and a target
         # whose weights moved (or changed dtype or layout) must not replay the old graphs.

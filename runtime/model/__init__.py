@@ -15,8 +15,9 @@ from pytest_graphmode.runtime.model.inputs import (
     PAD_TOKEN,
     SEQ_LEN_FILL,
     DecoderInputs,
-    StepRequest,
+    input_spec,
     make_inputs,
+    step_problems,
     token_requests,
 )
 from pytest_graphmode.runtime.model.reference import reference_forward
@@ -33,12 +34,13 @@ __all__ = [
     "Decoder",
     "DecoderConfig",
     "DecoderInputs",
-    "StepRequest",
     "init_weights",
+    "input_spec",
     "make_inputs",
     "paged_attention",
     "reference_forward",
     "sample",
+    "step_problems",
     "token_requests",
     "weight_shapes",
 ]
