@@ -9,11 +9,11 @@ buffer while the previous copy is still queued, and the graph would read a mix o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from pytest_graphmode.contract import Batch
+from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.runtime.model import DecoderInputs, input_spec, step_problems
 from pytest_graphmode.runtime.padding import HostRows, PaddingPolicy, host_rows
 
@@ -55,7 +55,7 @@ class SamplingInputs:
 class StaticInputs:
     """The persistent inputs at maximum shape; graphs read prefixes of them through `views`."""
 
-    def __init__(self, limits: InputLimits, policy: PaddingPolicy, backend: Any) -> None:
+    def __init__(self, limits: InputLimits, policy: PaddingPolicy, backend: Backend) -> None:
         if not 0 <= policy.null_block < limits.num_blocks:
             raise ValueError(f"null_block={policy.null_block} outside [0, {limits.num_blocks})")
         self.limits = limits

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.runtime.buffers import SamplingInputs
 from pytest_graphmode.runtime.keys import GraphKey
 from pytest_graphmode.runtime.model import Decoder, DecoderInputs, sample
@@ -77,7 +78,7 @@ class PiecewiseStep:
         self.pieces.reset()
 
 
-def warm_up(backend: Any, run: Callable[[], object]) -> None:
+def warm_up(backend: Backend, run: Callable[[], object]) -> None:
     """Run the step eagerly once on a side stream, as PyTorch recommends before a capture, so
     lazy initialisation and workspace allocation happen outside the graph.
 
@@ -91,7 +92,7 @@ def warm_up(backend: Any, run: Callable[[], object]) -> None:
     backend.current_stream().wait_stream(side)
 
 
-def capture_full(backend: Any, key: GraphKey, run: StepFn, memory: Any) -> FullGraph:
+def capture_full(backend: Backend, key: GraphKey, run: StepFn, memory: Any) -> FullGraph:
     """Warm up, then capture `run` as the graph of `key`."""
     started = time.perf_counter()
     warm_up(backend, run)
@@ -108,7 +109,7 @@ def capture_full(backend: Any, key: GraphKey, run: StepFn, memory: Any) -> FullG
 
 
 def capture_pieces(
-    backend: Any,
+    backend: Backend,
     key: GraphKey,
     decoder: Decoder,
     inputs: DecoderInputs,

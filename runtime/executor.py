@@ -12,11 +12,11 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any
 
 import torch
 
 from pytest_graphmode.contract import AddressView, Batch, StepResult
+from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.runtime.buckets import schedule
 from pytest_graphmode.runtime.buffers import InputLimits, StaticInputs
 from pytest_graphmode.runtime.capture import CapturedStep, StepFn, capture_full, capture_pieces
@@ -51,7 +51,7 @@ class GraphExecutor:
     def __init__(
         self,
         decoder: Decoder,
-        backend: Any,
+        backend: Backend,
         *,
         capture_sizes: Sequence[int],
         max_query_len: int = 1,

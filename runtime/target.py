@@ -8,12 +8,13 @@ dispatcher allows, the eager twin never captures.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 from torch import Tensor
 
 from pytest_graphmode.contract import AddressView, Batch, StepResult, TargetSpec
 from pytest_graphmode.runtime import backends
+from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.runtime.buckets import schedule
 from pytest_graphmode.runtime.executor import GraphExecutor
 from pytest_graphmode.runtime.model import Decoder, DecoderConfig
@@ -28,7 +29,7 @@ class RuntimeTarget:
         config: DecoderConfig,
         *,
         seed: int,
-        backend: Any,
+        backend: Backend,
         capture_sizes: Sequence[int],
         max_num_reqs: int,
         max_num_tokens: int,

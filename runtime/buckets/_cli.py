@@ -126,7 +126,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"{'plan':<10}  {_row(evaluate(result.sizes, judge, cost=cost))}")
     for kind in KINDS:
         fixed = schedule(kind, top, align=args.align, clamp=True)
-        unmeasured = [size for size in fixed if cost is not None and size not in cost]
+        unmeasured = [size for size in fixed if isinstance(cost, Mapping) and size not in cost]
         if unmeasured:
             print(f"{kind:<10}  {len(fixed):>6}  not compared: no latency for sizes {unmeasured}")
             continue
