@@ -5,7 +5,8 @@ as pieces with attention run eagerly between them (`runtime.piecewise`); the log
 sampling depend on the request rows and run eagerly after the last piece.
 
 A capture either completes or leaves nothing behind: a failure resets the graph and releases the
-key's pool view, and the caller gets the exception to record as the key's fallback reason.
+key's pool view, and the caller gets the exception to record as the key's fallback reason. An
+interrupt (KeyboardInterrupt, SystemExit) is cleaned up the same way and propagates.
 """
 
 from __future__ import annotations
@@ -87,9 +88,12 @@ def warm_up(backend: Backend, run: Callable[[], object]) -> None:
     cache are the same as with one run."""
     side = backend.Stream()
     side.wait_stream(backend.current_stream())
-    with backend.stream(side):
-        run()
-    backend.current_stream().wait_stream(side)
+    try:
+        with backend.stream(side):
+            run()
+    finally:
+        # Also when interrupted: whatever the side stream queued is ordered before later work.
+        backend.current_stream().wait_stream(side)
 
 
 def capture_full(backend: Backend, key: GraphKey, run: StepFn, memory: Any) -> FullGraph:
@@ -100,7 +104,7 @@ def capture_full(backend: Backend, key: GraphKey, run: StepFn, memory: Any) -> F
     try:
         with backend.graph(graph, pool=memory.pool_for(key)):
             logits, next_tokens = run()
-    except Exception:
+    except BaseException:
         graph.reset()
         memory.discard(key)
         raise
@@ -129,7 +133,7 @@ def capture_pieces(
             decoder.attention,
             pool=memory.pool_for(key),
         )
-    except Exception:
+    except BaseException:
         memory.discard(key)
         raise
     memory.captured(key)

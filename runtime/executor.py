@@ -118,34 +118,52 @@ class GraphExecutor:
         return dict(self._failed)
 
     def step(self, batch: Batch) -> StepResult:
-        """Run one step; raises ValueError (changing nothing) for a batch that cannot be staged."""
+        """Run one step; raises ValueError (changing nothing) for a batch that cannot be staged.
+
+        Interrupted anywhere (KeyboardInterrupt included), it leaves no graph, pool view or count
+        behind: the step may be retried as if it never started. The KV slots the step writes may
+        hold partial values until then; they belong to no request's context yet.
+        """
         self._check_open()
         self.inputs.check(batch)  # before routing: a bad batch has no meaningful route
         decision = self._route(batch)
         self.inputs.stage(batch, decision.padded_reqs, decision.padded_tokens)
-        captured = None
+        captured = fresh = None
         if decision.key is not None:
             captured = self._graphs.get(decision.key)
-            if captured is not None:
-                self._stats.hits += 1
-            else:
-                captured = self._capture(decision.key, decision.padded_reqs)
-                if captured is None:
+            if captured is None:
+                fresh = self._capture(decision.key, decision.padded_reqs)
+                if fresh is None:
                     decision = self._route(batch)
+        graph = captured if captured is not None else fresh
+        n = batch.num_reqs
+        try:
+            if graph is not None:
+                logits, next_tokens = graph.replay(n)
+            else:
+                run = self._step_fn(
+                    decision.padded_reqs, decision.padded_tokens, uses_adapters(batch)
+                )
+                logits, next_tokens = run()
+        except BaseException:
+            if fresh is not None:
+                self._release(fresh)
+            raise
+        # Bookkeeping only once the step is done, so an interrupted step counts nothing.
+        if fresh is not None:
+            self._keep(fresh)
+        elif captured is not None:
+            self._stats.hits += 1
         self.dispatcher.record(decision)
         self._stats.steps[decision.path] += 1
-        n = batch.num_reqs
-        if captured is not None:
-            logits, next_tokens = captured.replay(n)
-            self._stats.replays[captured.key] += 1
-            self._stats.graph_tokens += batch.num_tokens
-            self._stats.padded_tokens += decision.padded_tokens
-            return StepResult(logits, next_tokens, decision.path, captured.key, decision.reason)
-        if decision.cause is not None:
-            self._stats.fallbacks[decision.cause] += 1
-        run = self._step_fn(decision.padded_reqs, decision.padded_tokens, uses_adapters(batch))
-        logits, next_tokens = run()
-        return StepResult(logits[:n], next_tokens[:n], "eager", None, decision.reason)
+        if graph is None:
+            if decision.cause is not None:
+                self._stats.fallbacks[decision.cause] += 1
+            return StepResult(logits[:n], next_tokens[:n], "eager", None, decision.reason)
+        self._stats.replays[graph.key] += 1
+        self._stats.graph_tokens += batch.num_tokens
+        self._stats.padded_tokens += decision.padded_tokens
+        return StepResult(logits, next_tokens, decision.path, graph.key, decision.reason)
 
     def capture_all(self, query_lens: Iterable[int] | None = None) -> None:
         """Capture every FULL decode graph ahead of time, largest first, so smaller graphs reuse
@@ -160,7 +178,9 @@ class GraphExecutor:
                 continue
             assert key.num_reqs is not None  # full keys always carry a request count
             self.inputs.stage(Batch(()), key.num_reqs, key.num_tokens)
-            self._capture(key, key.num_reqs)
+            captured = self._capture(key, key.num_reqs)
+            if captured is not None:
+                self._keep(captured)
 
     def _graph_memory(self, strategy: str) -> GraphMemory:
         if strategy != "auto":
@@ -179,8 +199,7 @@ class GraphExecutor:
         """Drop every graph (and forget failed captures): call it when weights or configuration
         change. The next steps capture again."""
         for captured in self._graphs.values():
-            captured.reset()
-            self._memory.discard(captured.key)
+            self._release(captured)
         self._graphs.clear()
         self._failed.clear()
         self._stats.invalidations.append(reason)
@@ -212,7 +231,8 @@ class GraphExecutor:
         )
 
     def _capture(self, key: GraphKey, padded_reqs: int) -> CapturedStep | None:
-        """Capture `key` on the inputs staged now; on failure record the reason, return None."""
+        """Capture `key` on the inputs staged now; on failure record the reason, return None.
+        The graph is the caller's to `_keep` or `_release`."""
         captured: CapturedStep
         try:
             if key.mode == "piecewise":
@@ -228,10 +248,16 @@ class GraphExecutor:
             self._stats.failed_captures += 1
             self._failed[key] = f"capture of {key} failed: {type(error).__name__}: {error}"
             return None
+        return captured
+
+    def _keep(self, captured: CapturedStep) -> None:
         self._stats.captures += 1
         self._stats.capture_seconds += captured.seconds
-        self._graphs[key] = captured
-        return captured
+        self._graphs[captured.key] = captured
+
+    def _release(self, captured: CapturedStep) -> None:
+        captured.reset()
+        self._memory.discard(captured.key)
 
     def _step_fn(self, padded_reqs: int, padded_tokens: int, adapters: bool) -> StepFn:
         inputs = self.inputs.views(padded_reqs, padded_tokens)
