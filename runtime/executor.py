@@ -19,8 +19,14 @@ from pytest_graphmode.contract import AddressView, Batch, StepResult
 from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.runtime.buckets import schedule
 from pytest_graphmode.runtime.buffers import InputLimits, StaticInputs
-from pytest_graphmode.runtime.capture import CapturedStep, StepFn, capture_full, capture_pieces
+from pytest_graphmode.runtime.captured_steps import (
+    CapturedStep,
+    StepFn,
+    capture_full,
+    capture_pieces,
+)
 from pytest_graphmode.runtime.dispatch import CAPTURE_FAILED, Decision, Dispatcher
+from pytest_graphmode.runtime.executor_stats import ExecutorStats, StatsRecorder
 from pytest_graphmode.runtime.keys import GraphKey, uses_adapters
 from pytest_graphmode.runtime.memory import GraphMemory, VmmUnsupportedError, make_graph_memory
 from pytest_graphmode.runtime.model import (
@@ -32,7 +38,6 @@ from pytest_graphmode.runtime.model import (
     sample,
 )
 from pytest_graphmode.runtime.padding import PaddingPolicy
-from pytest_graphmode.runtime.stats import ExecutorStats, StatsRecorder
 
 
 class GraphExecutor:

@@ -21,7 +21,7 @@ from pytest_graphmode.runtime.model.inputs import (
     token_requests,
 )
 from pytest_graphmode.runtime.model.reference import reference_forward
-from pytest_graphmode.runtime.model.sampling import sample
+from pytest_graphmode.runtime.model.sampler import sample
 from pytest_graphmode.runtime.model.weights import init_weights, weight_shapes
 
 __all__ = [
