@@ -125,9 +125,10 @@ class GraphExecutor:
     def step(self, batch: Batch) -> StepResult:
         """Run one step; raises ValueError (changing nothing) for a batch that cannot be staged.
 
-        Interrupted anywhere (KeyboardInterrupt included), it leaves no graph, pool view or count
-        behind: the step may be retried as if it never started. The KV slots the step writes may
-        hold partial values until then; they belong to no request's context yet.
+        Interrupted anywhere (KeyboardInterrupt included), it leaves no new graph, pool view or
+        step count behind: the step may be retried as if it never started. (A capture that failed
+        with an error stays recorded: it would fail again.) The KV slots the step writes may hold
+        partial values until then; they belong to no request's context yet.
         """
         self._check_open()
         self.inputs.check(batch)  # before routing: a bad batch has no meaningful route

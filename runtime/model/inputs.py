@@ -93,6 +93,8 @@ def input_spec(
         max_blocks_per_req=shape.max_blocks_per_req,
         vocab_size=shape.vocab_size,
         max_num_reqs=max_num_reqs,
+        # Padding requests have no tokens, so inputs may hold more request rows than token rows;
+        # a TargetSpec may not. The padded shapes are checked where they are staged.
         max_num_tokens=max(max_num_tokens, max_num_reqs),
         capture_sizes=(),
         features=frozenset(features),
