@@ -21,7 +21,7 @@ from pytest_graphmode.contract import Batch, Request
 from pytest_graphmode.runtime import backends
 from pytest_graphmode.runtime.buckets import schedule
 from pytest_graphmode.runtime.buffers import StaticInputs
-from pytest_graphmode.runtime.capture import FullGraph, StepFn, capture_full
+from pytest_graphmode.runtime.captured_steps import FullGraph, StepFn, capture_full
 from pytest_graphmode.runtime.executor import GraphExecutor
 from pytest_graphmode.runtime.keys import GraphKey
 from pytest_graphmode.runtime.memory import make_graph_memory

@@ -29,9 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from pytest_graphmode.runtime.backends import Backend
 
 Step = Callable[[], object]
 
@@ -74,7 +77,7 @@ class Comparison:
         return self.eager_median_s / self.replay_median_s
 
 
-def event_clock(backend: Any) -> Callable[[], float]:
+def event_clock(backend: Backend) -> Callable[[], float]:
     """A pytest-benchmark timer in seconds read from device events on `backend`'s current stream.
 
     Reading it waits until the device has finished everything issued before, so the difference of
@@ -99,7 +102,7 @@ def event_clock(backend: Any) -> Callable[[], float]:
 class GraphBenchmark:
     """The value of the `graph_benchmark` fixture; see the module docstring."""
 
-    def __init__(self, benchmark: Any, backend: Any, node: pytest.Item) -> None:
+    def __init__(self, benchmark: Any, backend: Backend, node: pytest.Item) -> None:
         self._benchmark = benchmark
         self._backend = backend
         self._node = node
@@ -214,7 +217,7 @@ def _with_param(name: str, param: str) -> str:
 
 @pytest.fixture
 def graph_benchmark(
-    benchmark: Any, graphmode_backend: Any, request: pytest.FixtureRequest
+    benchmark: Any, graphmode_backend: Backend, request: pytest.FixtureRequest
 ) -> GraphBenchmark:
     """Time eager and replay of the same step; see `pytest_graphmode.benchmark`."""
     node = request.node

@@ -7,6 +7,8 @@ written by others depend on these names and semantics (see docs/contract.md).
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
@@ -128,6 +130,127 @@ def spec_problems(spec: TargetSpec) -> list[str]:
     if unknown:
         problems.append(f"unknown features {sorted(unknown)}; known: {sorted(FEATURES)}")
     return problems
+
+
+def kv_slot(block_ids: Sequence[int], position: int, block_size: int) -> int:
+    """The slot-major KV row of token `position` of a sequence stored in `block_ids`."""
+    return block_ids[position // block_size] * block_size + position % block_size
+
+
+def request_slots(request: Request, block_size: int) -> list[int]:
+    """The KV slots a step writes for `request`: its positions `context_len .. seq_len - 1`."""
+    return [
+        kv_slot(request.block_ids, position, block_size)
+        for position in range(request.context_len, request.seq_len)
+    ]
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def batch_problems(batch: Batch, spec: TargetSpec) -> list[str]:
+    """Every reason `batch` is not a legal step for `spec`; empty when it is legal.
+
+    The harness sends only legal batches; a runner may refuse any other. Ids may be any integer
+    type (numpy's included), temperatures any real type. Each request lists the blocks covering
+    its `seq_len` positions, in order (more, up to `max_blocks_per_req`, is allowed: a block
+    manager may allocate ahead). A block belongs to ONE request: two requests of a batch never
+    list the same block, even at different slots, as in a paged KV cache whose block manager
+    hands each block to one sequence. The null block belongs to padding only.
+    """
+    if not isinstance(batch, Batch):
+        return [f"expected a Batch, got {type(batch).__name__}"]
+    strangers = [
+        f"row {row} is a {type(r).__name__}, not a Request"
+        for row, r in enumerate(batch.requests)
+        if not isinstance(r, Request)
+    ]
+    if strangers:
+        return strangers
+    problems: list[str] = []
+    if batch.num_reqs == 0:
+        problems.append("no requests: a step needs at least one request")
+    if batch.num_reqs > spec.max_num_reqs:
+        problems.append(f"{batch.num_reqs} requests exceed max_num_reqs={spec.max_num_reqs}")
+    if batch.num_tokens > spec.max_num_tokens:
+        problems.append(f"{batch.num_tokens} tokens exceed max_num_tokens={spec.max_num_tokens}")
+    rows: dict[object, int] = {}
+    owners: dict[object, str] = {}
+    for row, request in enumerate(batch.requests):
+        where = f"request {request.req_id} (row {row})"
+        if request.req_id in rows:
+            problems.append(f"{where}: req_id also used by row {rows[request.req_id]}")
+        rows[request.req_id] = row
+        own = _request_problems(request, spec)
+        problems.extend(f"{where}: {p}" for p in own)
+        if own:
+            continue  # ownership of a malformed request's blocks means nothing
+        for block in request.block_ids:
+            if block in owners:
+                problems.append(
+                    f"{where}: block {block} also belongs to {owners[block]}; a block belongs "
+                    "to one request"
+                )
+            owners[block] = where
+    return problems
+
+
+def _request_problems(request: Request, spec: TargetSpec) -> list[str]:
+    problems: list[str] = []
+    if not _is_int(request.req_id):
+        problems.append(f"req_id={request.req_id!r} must be an integer")
+    tokens = request.tokens
+    if len(tokens) == 0:
+        problems.append("has no query tokens")
+    not_ints = [t for t in tokens if not _is_int(t)]
+    if not_ints:
+        problems.append(f"token ids {not_ints[:4]} are not integers")
+    outside = [t for t in tokens if _is_int(t) and not 0 <= t < spec.vocab_size]
+    if outside:
+        problems.append(f"token ids {outside[:4]} outside the vocabulary [0, {spec.vocab_size})")
+    if not _is_int(request.context_len) or request.context_len < 0:
+        problems.append(f"context_len={request.context_len!r} must be an integer >= 0")
+        return problems
+    blocks = request.block_ids
+    needed = -(-request.seq_len // spec.block_size)
+    if len(blocks) < needed:
+        problems.append(
+            f"block table too short: {len(blocks)} blocks of {spec.block_size} slots cannot "
+            f"hold context {request.context_len} + query {request.query_len}; needs {needed}"
+        )
+    if len(blocks) > spec.max_blocks_per_req:
+        problems.append(f"{len(blocks)} blocks exceed max_blocks_per_req={spec.max_blocks_per_req}")
+    bad_blocks = [b for b in blocks if not _is_int(b) or not 0 <= b < spec.num_blocks]
+    if bad_blocks:
+        problems.append(f"block ids {bad_blocks[:4]} outside [0, {spec.num_blocks})")
+    if spec.null_block in blocks:
+        problems.append(f"uses the null block {spec.null_block}, which belongs to padding only")
+    if len(set(blocks)) != len(blocks):
+        problems.append(f"lists a block twice in {list(blocks)}")
+    if request.seed is not None:
+        if not _is_int(request.seed) or not 0 <= request.seed <= _INT64_MAX:
+            problems.append(f"seed={request.seed!r} must be None (greedy) or an int in [0, 2**63)")
+        elif "sampling" not in spec.features:
+            problems.append("is sampled (seed set) but the target lacks the 'sampling' feature")
+    temperature = request.temperature
+    if (
+        not isinstance(temperature, numbers.Real)
+        or isinstance(temperature, bool)
+        or not (math.isfinite(temperature) and temperature > 0)
+    ):
+        problems.append(f"temperature={temperature!r} must be a finite real number > 0")
+    if not _is_int(request.adapter) or request.adapter < 0:
+        problems.append(f"adapter={request.adapter!r} must be an integer >= 0 (0 = base)")
+    elif request.adapter and "adapters" not in spec.features:
+        problems.append(
+            f"uses adapter {request.adapter} but the target lacks the 'adapters' feature"
+        )
+    return problems
+
+
+def _is_int(value: object) -> bool:
+    """Python and numpy integers alike; bools are flags, not ids."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass

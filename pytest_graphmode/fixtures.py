@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import pytest
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from hypothesis import settings as HypothesisSettings
 
     from pytest_graphmode.fuzz import CampaignStats
+    from pytest_graphmode.runtime.backends import Backend
 
 
 class Twins(NamedTuple):
@@ -132,7 +133,7 @@ class GraphmodeFuzz:
 
 
 @pytest.fixture(scope="session")
-def graphmode_backend(pytestconfig: pytest.Config) -> Any:
+def graphmode_backend(pytestconfig: pytest.Config) -> Backend:
     """The backend object (`sim` or `cuda`) of `--graphmode-backend`."""
     from pytest_graphmode.runtime import backends
 

@@ -8,17 +8,15 @@ buffer while the previous copy is still queued, and the graph would read a mix o
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from pytest_graphmode.contract import Batch, Request
-from pytest_graphmode.runtime.model import DecoderInputs
+from pytest_graphmode.contract import Batch
+from pytest_graphmode.runtime.backends import Backend
+from pytest_graphmode.runtime.model import DecoderInputs, input_spec, step_problems
 from pytest_graphmode.runtime.padding import HostRows, PaddingPolicy, host_rows
 
-_INT64_MAX = 2**63 - 1
 _MAX_PROBLEMS = 8  # a rejected batch lists this many problems, enough to act on without a flood
 
 
@@ -54,104 +52,20 @@ class SamplingInputs:
     positions: torch.Tensor  # [R] int64
 
 
-def batch_problems(
-    batch: Batch, limits: InputLimits, null_block: int, padded_reqs: int, padded_tokens: int
-) -> list[str]:
-    """Every reason `batch` cannot be staged as `padded_reqs` x `padded_tokens`; empty if none."""
-    problems: list[str] = []
-    if batch.num_reqs > limits.max_num_reqs:
-        problems.append(f"{batch.num_reqs} requests exceed max_num_reqs={limits.max_num_reqs}")
-    if batch.num_tokens > limits.max_num_tokens:
-        problems.append(f"{batch.num_tokens} tokens exceed max_num_tokens={limits.max_num_tokens}")
-    if not batch.num_reqs <= padded_reqs <= limits.max_num_reqs:
-        problems.append(
-            f"padded_reqs={padded_reqs} must lie in [{batch.num_reqs} requests in the batch, "
-            f"max_num_reqs={limits.max_num_reqs}]"
-        )
-    if not batch.num_tokens <= padded_tokens <= limits.max_num_tokens:
-        problems.append(
-            f"padded_tokens={padded_tokens} must lie in [{batch.num_tokens} tokens in the batch, "
-            f"max_num_tokens={limits.max_num_tokens}]"
-        )
-    seen_ids: dict[int, int] = {}
-    written: dict[int, int] = {}
-    for row, request in enumerate(batch.requests):
-        where = f"request {request.req_id} (row {row})"
-        if request.req_id in seen_ids:
-            problems.append(f"{where}: req_id also used by row {seen_ids[request.req_id]}")
-        seen_ids[request.req_id] = row
-        own = _request_problems(request, limits, null_block)
-        problems.extend(f"{where}: {p}" for p in own)
-        if own:
-            continue  # slots of a malformed request are meaningless
-        for position in range(request.context_len, request.seq_len):
-            block = request.block_ids[position // limits.block_size]
-            slot = block * limits.block_size + position % limits.block_size
-            if slot in written:
-                problems.append(
-                    f"{where}: writes KV slot {slot} (block {block}) that row {written[slot]} "
-                    "also writes this step"
-                )
-                break
-            written[slot] = row
-    return problems
-
-
-def _request_problems(request: Request, limits: InputLimits, null_block: int) -> list[str]:
-    problems: list[str] = []
-    if not request.tokens:
-        problems.append("has no query tokens")
-    bad_tokens = [t for t in request.tokens if not _is_int(t) or not 0 <= t < limits.vocab_size]
-    if bad_tokens:
-        problems.append(
-            f"token ids {bad_tokens[:4]} outside the vocabulary [0, {limits.vocab_size})"
-        )
-    if not _is_int(request.context_len) or request.context_len < 0:
-        problems.append(f"context_len={request.context_len!r} must be an int >= 0")
-        return problems
-    blocks = request.block_ids
-    needed = math.ceil(request.seq_len / limits.block_size)
-    if len(blocks) < needed:
-        problems.append(
-            f"block table too short: {len(blocks)} blocks of {limits.block_size} slots cannot "
-            f"hold context {request.context_len} + query {request.query_len}; needs {needed}"
-        )
-    if len(blocks) > limits.max_blocks_per_req:
-        problems.append(
-            f"{len(blocks)} blocks exceed max_blocks_per_req={limits.max_blocks_per_req}"
-        )
-    bad_blocks = [b for b in blocks if not _is_int(b) or not 0 <= b < limits.num_blocks]
-    if bad_blocks:
-        problems.append(f"block ids {bad_blocks[:4]} outside [0, {limits.num_blocks})")
-    if null_block in blocks:
-        problems.append(f"uses the null block {null_block}, which belongs to padding only")
-    if len(set(blocks)) != len(blocks):
-        problems.append(f"lists a block twice in {list(blocks)}")
-    if request.seed is not None and (
-        not _is_int(request.seed) or not 0 <= request.seed <= _INT64_MAX
-    ):
-        problems.append(f"seed={request.seed!r} must be None (greedy) or an int in [0, 2**63)")
-    if not isinstance(request.temperature, (int, float)) or not (
-        math.isfinite(request.temperature) and request.temperature > 0
-    ):
-        problems.append(f"temperature={request.temperature!r} must be finite and > 0")
-    if not _is_int(request.adapter) or not 0 <= request.adapter <= limits.num_adapters:
-        problems.append(f"adapter={request.adapter!r} outside [0, {limits.num_adapters}]")
-    return problems
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 class StaticInputs:
     """The persistent inputs at maximum shape; graphs read prefixes of them through `views`."""
 
-    def __init__(self, limits: InputLimits, policy: PaddingPolicy, backend: Any) -> None:
+    def __init__(self, limits: InputLimits, policy: PaddingPolicy, backend: Backend) -> None:
         if not 0 <= policy.null_block < limits.num_blocks:
             raise ValueError(f"null_block={policy.null_block} outside [0, {limits.num_blocks})")
         self.limits = limits
         self.policy = policy
+        self._spec = input_spec(
+            limits,
+            null_block=policy.null_block,
+            max_num_reqs=limits.max_num_reqs,
+            max_num_tokens=limits.max_num_tokens,
+        )
         reqs, tokens, blocks = limits.max_num_reqs, limits.max_num_tokens, limits.max_blocks_per_req
         # int64 words per field; temperatures are float32, two to a word.
         lengths = {
@@ -182,17 +96,26 @@ class StaticInputs:
         """Every static input at maximum shape (views of the one device buffer)."""
         return dict(self._device_fields)
 
+    def check(self, batch: Batch) -> None:
+        """Raise ValueError listing every reason `batch` is not a step these inputs can hold."""
+        _reject(self._problems(batch))
+
     def stage(self, batch: Batch, padded_reqs: int, padded_tokens: int) -> None:
         """Validate `batch`, then write it and its padding rows; raises ValueError, writing
         nothing, when the batch is bad. An empty batch stages padding only (used for capture)."""
-        problems = batch_problems(
-            batch, self.limits, self.policy.null_block, padded_reqs, padded_tokens
-        )
-        if problems:
-            shown = "; ".join(problems[:_MAX_PROBLEMS])
-            more = len(problems) - _MAX_PROBLEMS
-            suffix = f"; and {more} more" if more > 0 else ""
-            raise ValueError(f"rejected batch, nothing was staged: {shown}{suffix}")
+        problems = self._problems(batch) if batch.requests else []
+        limits = self.limits
+        if not problems and not batch.num_reqs <= padded_reqs <= limits.max_num_reqs:
+            problems.append(
+                f"padded_reqs={padded_reqs} must lie in [{batch.num_reqs} requests in the "
+                f"batch, max_num_reqs={limits.max_num_reqs}]"
+            )
+        if not problems and not batch.num_tokens <= padded_tokens <= limits.max_num_tokens:
+            problems.append(
+                f"padded_tokens={padded_tokens} must lie in [{batch.num_tokens} tokens in the "
+                f"batch, max_num_tokens={limits.max_num_tokens}]"
+            )
+        _reject(problems)
         rows = host_rows(
             batch,
             padded_reqs,
@@ -209,6 +132,9 @@ class StaticInputs:
         self._device.copy_(self._host, non_blocking=True)
         self._copied.record()
         self._copy_pending = True
+
+    def _problems(self, batch: Batch) -> list[str]:
+        return step_problems(batch, self._spec, num_adapters=self.limits.num_adapters)
 
     def _write_host(self, rows: HostRows) -> None:
         for name in _INT_FIELDS:
@@ -240,6 +166,14 @@ class StaticInputs:
             temperatures=f["temperatures"][:padded_reqs],
             positions=f["seq_lens"][:padded_reqs],
         )
+
+
+def _reject(problems: list[str]) -> None:
+    if problems:
+        shown = "; ".join(problems[:_MAX_PROBLEMS])
+        more = len(problems) - _MAX_PROBLEMS
+        suffix = f"; and {more} more" if more > 0 else ""
+        raise ValueError(f"rejected batch, nothing was staged: {shown}{suffix}")
 
 
 _INT_FIELDS = (

@@ -12,15 +12,21 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any
 
 import torch
 
 from pytest_graphmode.contract import AddressView, Batch, StepResult
+from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.runtime.buckets import schedule
 from pytest_graphmode.runtime.buffers import InputLimits, StaticInputs
-from pytest_graphmode.runtime.capture import CapturedStep, StepFn, capture_full, capture_pieces
+from pytest_graphmode.runtime.captured_steps import (
+    CapturedStep,
+    StepFn,
+    capture_full,
+    capture_pieces,
+)
 from pytest_graphmode.runtime.dispatch import CAPTURE_FAILED, Decision, Dispatcher
+from pytest_graphmode.runtime.executor_stats import ExecutorStats, StatsRecorder
 from pytest_graphmode.runtime.keys import GraphKey, uses_adapters
 from pytest_graphmode.runtime.memory import GraphMemory, VmmUnsupportedError, make_graph_memory
 from pytest_graphmode.runtime.model import (
@@ -32,7 +38,6 @@ from pytest_graphmode.runtime.model import (
     sample,
 )
 from pytest_graphmode.runtime.padding import PaddingPolicy
-from pytest_graphmode.runtime.stats import ExecutorStats, StatsRecorder
 
 
 class GraphExecutor:
@@ -51,7 +56,7 @@ class GraphExecutor:
     def __init__(
         self,
         decoder: Decoder,
-        backend: Any,
+        backend: Backend,
         *,
         capture_sizes: Sequence[int],
         max_query_len: int = 1,
@@ -60,7 +65,7 @@ class GraphExecutor:
         max_num_reqs: int | None = None,
         max_num_tokens: int | None = None,
     ) -> None:
-        if torch.device(decoder.device) != torch.device(backend.device):
+        if _normalised(decoder.device) != _normalised(backend.device):
             raise ValueError(
                 f"decoder lives on {decoder.device} but backend {backend.name!r} runs on "
                 f"{backend.device}: build the Decoder with device=backend.device"
@@ -118,33 +123,53 @@ class GraphExecutor:
         return dict(self._failed)
 
     def step(self, batch: Batch) -> StepResult:
-        """Run one step; raises ValueError (changing nothing) for a batch that cannot be staged."""
+        """Run one step; raises ValueError (changing nothing) for a batch that cannot be staged.
+
+        Interrupted anywhere (KeyboardInterrupt included), it leaves no new graph, pool view or
+        step count behind: the step may be retried as if it never started. (A capture that failed
+        with an error stays recorded: it would fail again.) The KV slots the step writes may hold
+        partial values until then; they belong to no request's context yet.
+        """
         self._check_open()
+        self.inputs.check(batch)  # before routing: a bad batch has no meaningful route
         decision = self._route(batch)
         self.inputs.stage(batch, decision.padded_reqs, decision.padded_tokens)
-        captured = None
+        captured = fresh = None
         if decision.key is not None:
             captured = self._graphs.get(decision.key)
-            if captured is not None:
-                self._stats.hits += 1
-            else:
-                captured = self._capture(decision.key, decision.padded_reqs)
-                if captured is None:
+            if captured is None:
+                fresh = self._capture(decision.key, decision.padded_reqs)
+                if fresh is None:
                     decision = self._route(batch)
+        graph = captured if captured is not None else fresh
+        n = batch.num_reqs
+        try:
+            if graph is not None:
+                logits, next_tokens = graph.replay(n)
+            else:
+                run = self._step_fn(
+                    decision.padded_reqs, decision.padded_tokens, uses_adapters(batch)
+                )
+                logits, next_tokens = run()
+        except BaseException:
+            if fresh is not None:
+                self._release(fresh)
+            raise
+        # Bookkeeping only once the step is done, so an interrupted step counts nothing.
+        if fresh is not None:
+            self._keep(fresh)
+        elif captured is not None:
+            self._stats.hits += 1
         self.dispatcher.record(decision)
         self._stats.steps[decision.path] += 1
-        n = batch.num_reqs
-        if captured is not None:
-            logits, next_tokens = captured.replay(n)
-            self._stats.replays[captured.key] += 1
-            self._stats.graph_tokens += batch.num_tokens
-            self._stats.padded_tokens += decision.padded_tokens
-            return StepResult(logits, next_tokens, decision.path, captured.key, decision.reason)
-        if decision.cause is not None:
-            self._stats.fallbacks[decision.cause] += 1
-        run = self._step_fn(decision.padded_reqs, decision.padded_tokens, uses_adapters(batch))
-        logits, next_tokens = run()
-        return StepResult(logits[:n], next_tokens[:n], "eager", None, decision.reason)
+        if graph is None:
+            if decision.cause is not None:
+                self._stats.fallbacks[decision.cause] += 1
+            return StepResult(logits[:n], next_tokens[:n], "eager", None, decision.reason)
+        self._stats.replays[graph.key] += 1
+        self._stats.graph_tokens += batch.num_tokens
+        self._stats.padded_tokens += decision.padded_tokens
+        return StepResult(logits, next_tokens, decision.path, graph.key, decision.reason)
 
     def capture_all(self, query_lens: Iterable[int] | None = None) -> None:
         """Capture every FULL decode graph ahead of time, largest first, so smaller graphs reuse
@@ -159,7 +184,9 @@ class GraphExecutor:
                 continue
             assert key.num_reqs is not None  # full keys always carry a request count
             self.inputs.stage(Batch(()), key.num_reqs, key.num_tokens)
-            self._capture(key, key.num_reqs)
+            captured = self._capture(key, key.num_reqs)
+            if captured is not None:
+                self._keep(captured)
 
     def _graph_memory(self, strategy: str) -> GraphMemory:
         if strategy != "auto":
@@ -178,8 +205,7 @@ class GraphExecutor:
         """Drop every graph (and forget failed captures): call it when weights or configuration
         change. The next steps capture again."""
         for captured in self._graphs.values():
-            captured.reset()
-            self._memory.discard(captured.key)
+            self._release(captured)
         self._graphs.clear()
         self._failed.clear()
         self._stats.invalidations.append(reason)
@@ -211,7 +237,8 @@ class GraphExecutor:
         )
 
     def _capture(self, key: GraphKey, padded_reqs: int) -> CapturedStep | None:
-        """Capture `key` on the inputs staged now; on failure record the reason, return None."""
+        """Capture `key` on the inputs staged now; on failure record the reason, return None.
+        The graph is the caller's to `_keep` or `_release`."""
         captured: CapturedStep
         try:
             if key.mode == "piecewise":
@@ -227,10 +254,16 @@ class GraphExecutor:
             self._stats.failed_captures += 1
             self._failed[key] = f"capture of {key} failed: {type(error).__name__}: {error}"
             return None
+        return captured
+
+    def _keep(self, captured: CapturedStep) -> None:
         self._stats.captures += 1
         self._stats.capture_seconds += captured.seconds
-        self._graphs[key] = captured
-        return captured
+        self._graphs[captured.key] = captured
+
+    def _release(self, captured: CapturedStep) -> None:
+        captured.reset()
+        self._memory.discard(captured.key)
 
     def _step_fn(self, padded_reqs: int, padded_tokens: int, adapters: bool) -> StepFn:
         inputs = self.inputs.views(padded_reqs, padded_tokens)
@@ -244,6 +277,21 @@ class GraphExecutor:
 
         return run
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this GraphExecutor is closed; make a new one to run more steps")
+
+
+def _normalised(device: torch.device | str) -> torch.device:
+    """`device` with the index a bare "cuda" stands for (the current device), so "cuda" and
+    "cuda:0" compare equal there; CPU devices compare equal whatever their index."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.index is None and device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pytest_graphmode.contract import Batch
+from pytest_graphmode.contract import Batch, kv_slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +77,9 @@ def host_rows(
     for request in batch.requests:
         for offset, token in enumerate(request.tokens):
             position = request.context_len + offset
-            block = request.block_ids[position // block_size]
             token_ids.append(token)
             positions.append(position)
-            slot_mapping.append(block * block_size + position % block_size)
+            slot_mapping.append(kv_slot(request.block_ids, position, block_size))
         query_start.append(query_start[-1] + request.query_len)
         unused = max_blocks_per_req - len(request.block_ids)
         block_tables.extend(request.block_ids)

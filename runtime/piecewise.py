@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.runtime.backends.errors import capture_error_of
 from pytest_graphmode.runtime.model import DecoderInputs
 from pytest_graphmode.runtime.model.attention import AttentionFn
@@ -112,7 +113,7 @@ class PiecewiseGraph:
 
 
 def capture_piecewise(
-    backend: Any,
+    backend: Backend,
     inputs: DecoderInputs,
     body: Body,
     attention: AttentionFn,

@@ -8,12 +8,13 @@ dispatcher allows, the eager twin never captures.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 from torch import Tensor
 
 from pytest_graphmode.contract import AddressView, Batch, StepResult, TargetSpec
 from pytest_graphmode.runtime import backends
+from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.runtime.buckets import schedule
 from pytest_graphmode.runtime.executor import GraphExecutor
 from pytest_graphmode.runtime.model import Decoder, DecoderConfig
@@ -28,7 +29,7 @@ class RuntimeTarget:
         config: DecoderConfig,
         *,
         seed: int,
-        backend: Any,
+        backend: Backend,
         capture_sizes: Sequence[int],
         max_num_reqs: int,
         max_num_tokens: int,
@@ -79,12 +80,16 @@ class RuntimeTarget:
         return {"kv_cache": self.decoder.kv_cache}
 
     def static_buffers(self) -> Mapping[str, Tensor]:
-        return self.executor.inputs.tensors()
+        # The eager twin's buffers are staging, not graph inputs: the contract says `{}`, so the
+        # harness poisons only what graphs read.
+        return self.executor.inputs.tensors() if self.mode == "graph" else {}
 
     def address_views(self) -> Sequence[AddressView]:
         return self.executor.address_views()
 
     def update_weights(self, seed: int) -> None:
+        if self.executor.closed:
+            raise RuntimeError("this target is closed; make a new one to load other weights")
         # The weights are rewritten in place, so the graphs would even read the new values; the
         # executor still drops them: a weight change is a configuration change, and a target
         # whose weights moved (or changed dtype or layout) must not replay the old graphs.

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
 from pytest_graphmode.contract import Batch, TargetSpec
+from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.strategies.plans import Stress
 
 _FLOAT_POISON = (float("nan"), float("inf"), float("-inf"), 3.0e38)
@@ -78,7 +78,7 @@ def churn(device: torch.device, count: int, rng: random.Random) -> list[torch.Te
     return made[::2]
 
 
-def delay(backend: Any, stress: Stress) -> None:
+def delay(backend: Backend, stress: Stress) -> None:
     """Make asynchronous work land late: a sleep kernel on the current cuda stream, or a fresh
     seed for the sim backend's stream scheduler (where the backend offers one)."""
     if stress.delay_cycles and backend.name == "cuda":

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from pytest_graphmode.contract import Batch, TargetSpec
+from pytest_graphmode.contract import Batch, TargetSpec, request_slots
 from pytest_graphmode.fuzz.tolerance import same_bits, within
 from pytest_graphmode.fuzz.violation import Violation, differences
 
@@ -16,12 +16,11 @@ State = Mapping[str, torch.Tensor]
 
 def valid_slots(batch: Batch, spec: TargetSpec) -> dict[int, int]:
     """Slot -> req_id for every position a step writes (context_len..seq_len-1 per request)."""
-    size = spec.block_size
-    slots = {}
-    for request in batch.requests:
-        for pos in range(request.context_len, request.seq_len):
-            slots[request.block_ids[pos // size] * size + pos % size] = request.req_id
-    return slots
+    return {
+        slot: request.req_id
+        for request in batch.requests
+        for slot in request_slots(request, spec.block_size)
+    }
 
 
 def slot_major(tensor: torch.Tensor, spec: TargetSpec) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -24,6 +24,7 @@ from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.failure import Failure, GraphmodeFailure, replay_snippet
 from pytest_graphmode.fuzz.stats import CampaignStats
 from pytest_graphmode.fuzz.violation import Violation
+from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.strategies import stressors
 from pytest_graphmode.strategies.plans import Stress
 
@@ -55,7 +56,7 @@ class Lockstep:
     ) -> None:
         from pytest_graphmode.runtime import backends
 
-        self.backend: Any = backends.get(backend)
+        self.backend: Backend = backends.get(backend)
         self.backend.set_scheduler_seed(seed)
         self._factory, self._backend_name, self.seed, self.stats = factory, backend, seed, stats
         self._targets: list[GraphTarget] = []

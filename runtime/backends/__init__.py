@@ -5,20 +5,25 @@ present. The surface (names and semantics as in torch.cuda): `Graph`, `graph(g, 
 `graph_pool_handle()`, `Stream`, `Event`, `stream(s)`, `current_stream()`, `default_stream()`,
 `synchronize()`, `empty_pinned(size, dtype=)`, `device`, `name`, `CaptureError`,
 `UseAfterFreeError` and `set_scheduler_seed(seed)` (orders independent streams on sim; no-op on cuda).
+`Backend` is that surface as a typed protocol: annotate a runner's backend with it.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from pytest_graphmode.runtime.backends.errors import (
     CaptureError,
     UseAfterFreeError,
     capture_error_of,
 )
+from pytest_graphmode.runtime.backends.protocol import (
+    Backend,
+    EventHandle,
+    GraphHandle,
+    StreamHandle,
+)
 
 BACKEND_NAMES = ("auto", "cuda", "sim")
-_instances: dict[str, Any] = {}
+_instances: dict[str, Backend] = {}
 
 
 def cuda_available() -> bool:
@@ -36,7 +41,7 @@ def resolve(name: str) -> str:
     return name
 
 
-def get(name: str = "auto") -> Any:
+def get(name: str = "auto") -> Backend:
     """The backend object for `name`; one instance per process and name."""
     concrete = resolve(name)
     if concrete not in _instances:
@@ -53,7 +58,11 @@ def get(name: str = "auto") -> Any:
 
 __all__ = [
     "BACKEND_NAMES",
+    "Backend",
     "CaptureError",
+    "EventHandle",
+    "GraphHandle",
+    "StreamHandle",
     "UseAfterFreeError",
     "capture_error_of",
     "cuda_available",

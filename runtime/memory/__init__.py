@@ -11,16 +11,15 @@ from .host import HostPool, HostView
 from .ledger import Ledger, MemoryStats, find_overlaps
 from .strategies import (
     STRATEGIES,
-    Backend,
     GraphMemory,
     HandlePoolMemory,
+    PoolBackend,
     VmmMemory,
     make_graph_memory,
 )
 
 __all__ = [
     "STRATEGIES",
-    "Backend",
     "CudaView",
     "CudaVmmPool",
     "GraphMemory",
@@ -29,6 +28,7 @@ __all__ = [
     "HostView",
     "Ledger",
     "MemoryStats",
+    "PoolBackend",
     "PoolError",
     "PoolExhaustedError",
     "VmmMemory",

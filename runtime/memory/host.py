@@ -170,6 +170,9 @@ class HostPool:
         self.view_capacity = align_up(view_capacity, granularity)
         name = f"graph-pool-{os.getpid()}-{next(_pool_ids)}"
         self._fd: int | None = os.memfd_create(name, os.MFD_CLOEXEC)
+        # A pool dropped without close() still gives its descriptor back; mappings keep the file
+        # alive for tensors that outlive the pool.
+        self._release_fd = weakref.finalize(self, os.close, self._fd)
         self.physical_bytes = 0
         self._ledger = Ledger(f"host:{name}")
         self._views: dict[Hashable, HostView] = {}
@@ -214,9 +217,8 @@ class HostPool:
         """Close every view and the file; memory still used by live tensors goes when they do."""
         for key in list(self._views):
             self.discard(key)
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._release_fd()
+        self._fd = None
         self.physical_bytes = 0
 
     def __enter__(self) -> HostPool:

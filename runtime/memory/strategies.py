@@ -27,10 +27,11 @@ from .ledger import MemoryStats
 STRATEGIES = ("separate", "shared", "vmm")
 
 
-class Backend(Protocol):
-    """What the strategies need of a backend from `pytest_graphmode.runtime.backends.get`."""
+class PoolBackend(Protocol):
+    """The part of `pytest_graphmode.runtime.backends.Backend` the strategies use."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def graph_pool_handle(self) -> object: ...
 
@@ -57,7 +58,7 @@ class GraphMemory(Protocol):
 
 
 def make_graph_memory(
-    strategy: str, backend: Backend, *, granularity: int | None = None
+    strategy: str, backend: PoolBackend, *, granularity: int | None = None
 ) -> GraphMemory:
     """The memory strategy `strategy` on `backend` ("sim" or "cuda").
 
@@ -83,7 +84,7 @@ class HandlePoolMemory:
     """Graph pools managed by the backend's own allocator and addressed by pool handles: a fresh
     handle per graph (`separate`) or one handle for every graph (`shared`)."""
 
-    def __init__(self, backend: Backend, *, shared: bool) -> None:
+    def __init__(self, backend: PoolBackend, *, shared: bool) -> None:
         self.strategy = "shared" if shared else "separate"
         self._backend = backend
         self._shared = shared

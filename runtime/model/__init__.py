@@ -15,12 +15,13 @@ from pytest_graphmode.runtime.model.inputs import (
     PAD_TOKEN,
     SEQ_LEN_FILL,
     DecoderInputs,
-    StepRequest,
+    input_spec,
     make_inputs,
+    step_problems,
     token_requests,
 )
 from pytest_graphmode.runtime.model.reference import reference_forward
-from pytest_graphmode.runtime.model.sampling import sample
+from pytest_graphmode.runtime.model.sampler import sample
 from pytest_graphmode.runtime.model.weights import init_weights, weight_shapes
 
 __all__ = [
@@ -33,12 +34,13 @@ __all__ = [
     "Decoder",
     "DecoderConfig",
     "DecoderInputs",
-    "StepRequest",
     "init_weights",
+    "input_spec",
     "make_inputs",
     "paged_attention",
     "reference_forward",
     "sample",
+    "step_problems",
     "token_requests",
     "weight_shapes",
 ]

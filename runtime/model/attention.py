@@ -51,6 +51,13 @@ def write_kv(
     kv_cache[:, layer].index_copy_(0, slots, torch.stack((k, v), dim=1).to(kv_cache.dtype))
 
 
+def block_slots(blocks: Tensor, block_size: int) -> Tensor:
+    """[..., B] block tables -> [..., B * block_size] KV slots of positions 0 .. B*block_size-1:
+    the tensor form of `pytest_graphmode.contract.kv_slot`."""
+    offsets = torch.arange(block_size, device=blocks.device)
+    return (blocks[..., None] * block_size + offsets).flatten(-2)
+
+
 def attend(
     layer: int, q: Tensor, inputs: DecoderInputs, kv_cache: Tensor, *, block_size: int
 ) -> Tensor:
@@ -76,8 +83,7 @@ def attend(
     mask = torch.arange(max_keys, device=device)[None, :] < visible[:, None]  # [T, K]
 
     blocks = inputs.block_tables.index_select(0, token_req).clamp(0, num_slots // block_size - 1)
-    offsets = torch.arange(block_size, device=device)
-    slots = (blocks[:, :, None] * block_size + offsets).reshape(-1)  # [T * K]
+    slots = block_slots(blocks, block_size).reshape(-1)  # [T * K]
     cached = kv_cache[:, layer].index_select(0, slots)  # [T * K, 2, kv_heads, head_dim]
     cached = cached.view(num_tokens, max_keys, 2, kv_heads, head_dim)
     cached = cached.masked_fill(~mask[:, :, None, None, None], 0).float()

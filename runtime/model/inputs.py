@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from pytest_graphmode.contract import Batch, Request, TargetSpec, batch_problems, kv_slot
 from pytest_graphmode.runtime.model.config import DecoderConfig
 
 PAD_TOKEN = 0
@@ -60,25 +61,62 @@ def token_requests(inputs: DecoderInputs) -> Tensor:
     return found.clamp(max=inputs.num_reqs - 1)
 
 
-class StepRequest(Protocol):
-    """What `make_inputs` reads from a request; `pytest_graphmode.Request` satisfies it."""
+class InputShape(Protocol):
+    """The cache and vocabulary sizes a step's ids must fit (`DecoderConfig` has them)."""
 
     @property
-    def tokens(self) -> tuple[int, ...]: ...
+    def num_blocks(self) -> int: ...
 
     @property
-    def context_len(self) -> int: ...
+    def block_size(self) -> int: ...
 
     @property
-    def block_ids(self) -> tuple[int, ...]: ...
+    def max_blocks_per_req(self) -> int: ...
 
     @property
-    def adapter(self) -> int: ...
+    def vocab_size(self) -> int: ...
+
+    @property
+    def num_adapters(self) -> int: ...
+
+
+def input_spec(
+    shape: InputShape, *, null_block: int, max_num_reqs: int, max_num_tokens: int
+) -> TargetSpec:
+    """The contract's view of what inputs of `shape` can hold, to check batches against."""
+    features = {"decode", "prefill", "spec_decode", "sampling"}
+    if shape.num_adapters:
+        features.add("adapters")
+    return TargetSpec(
+        num_blocks=shape.num_blocks,
+        block_size=shape.block_size,
+        max_blocks_per_req=shape.max_blocks_per_req,
+        vocab_size=shape.vocab_size,
+        max_num_reqs=max_num_reqs,
+        # Padding requests have no tokens, so inputs may hold more request rows than token rows;
+        # a TargetSpec may not. The padded shapes are checked where they are staged.
+        max_num_tokens=max(max_num_tokens, max_num_reqs),
+        capture_sizes=(),
+        features=frozenset(features),
+        null_block=null_block,
+    )
+
+
+def step_problems(batch: Batch, spec: TargetSpec, *, num_adapters: int) -> list[str]:
+    """The contract's `batch_problems`, plus the adapter ids the decoder has weights for."""
+    problems = batch_problems(batch, spec)
+    if problems:
+        return problems
+    return [
+        f"request {r.req_id} (row {row}): adapter={r.adapter} outside [0, {num_adapters}]"
+        for row, r in enumerate(batch.requests)
+        if r.adapter > num_adapters
+    ]
 
 
 def make_inputs(
     config: DecoderConfig,
-    requests: Sequence[StepRequest],
+    requests: Sequence[Request],
     *,
     device: torch.device | str,
     num_tokens: int | None = None,
@@ -91,7 +129,17 @@ def make_inputs(
     valid_tokens = sum(len(r.tokens) for r in requests)
     num_tokens = valid_tokens if num_tokens is None else num_tokens
     num_reqs = len(requests) if num_reqs is None else num_reqs
-    _check(config, requests, num_tokens, num_reqs)
+    if not requests or num_reqs < len(requests) or num_tokens < valid_tokens:
+        raise ValueError(
+            f"need at least one request and room for all of them: {len(requests)} requests with "
+            f"{valid_tokens} tokens do not fit num_reqs={num_reqs}, num_tokens={num_tokens}"
+        )
+    spec = input_spec(
+        config, null_block=config.null_block, max_num_reqs=num_reqs, max_num_tokens=num_tokens
+    )
+    problems = step_problems(Batch(tuple(requests)), spec, num_adapters=config.num_adapters)
+    if problems:
+        raise ValueError("; ".join(problems))
 
     token_ids = [PAD_TOKEN] * num_tokens
     positions = [PAD_POSITION] * num_tokens
@@ -106,11 +154,10 @@ def make_inputs(
             position = request.context_len + offset
             token_ids[row] = token
             positions[row] = position
-            block = request.block_ids[position // config.block_size]
-            slots[row] = block * config.block_size + position % config.block_size
+            slots[row] = kv_slot(request.block_ids, position, config.block_size)
             row += 1
         query_start.append(row)
-        seq_lens[index] = request.context_len + len(request.tokens)
+        seq_lens[index] = request.seq_len
         tables[index][: len(request.block_ids)] = request.block_ids
         adapters[index] = request.adapter
     query_start += [row] * (num_reqs - len(requests))
@@ -127,43 +174,3 @@ def make_inputs(
         block_tables=tensor(tables),
         adapter_ids=tensor(adapters),
     )
-
-
-def _check(
-    config: DecoderConfig, requests: Sequence[StepRequest], num_tokens: int, num_reqs: int
-) -> None:
-    valid_tokens = sum(len(r.tokens) for r in requests)
-    if not requests or num_reqs < len(requests) or num_tokens < valid_tokens:
-        raise ValueError(
-            f"need at least one request and room for all of them: {len(requests)} requests with "
-            f"{valid_tokens} tokens do not fit num_reqs={num_reqs}, num_tokens={num_tokens}"
-        )
-    for index, r in enumerate(requests):
-        seq_len = r.context_len + len(r.tokens)
-        needed = -(-seq_len // config.block_size)
-        where = f"request {index}"
-        if not r.tokens or r.context_len < 0:
-            raise ValueError(f"{where}: needs >= 1 query token and context_len >= 0")
-        if seq_len > config.max_seq_len:
-            raise ValueError(
-                f"{where}: sequence length {seq_len} exceeds max_seq_len {config.max_seq_len} "
-                "(max_blocks_per_req * block_size); raise max_blocks_per_req"
-            )
-        if not needed <= len(r.block_ids) <= config.max_blocks_per_req:
-            raise ValueError(
-                f"{where}: {len(r.block_ids)} block ids for {seq_len} tokens; need {needed} "
-                f"to {config.max_blocks_per_req} blocks of {config.block_size}"
-            )
-        bad = [b for b in r.block_ids if not 0 <= b < config.num_blocks or b == config.null_block]
-        if bad:
-            raise ValueError(
-                f"{where}: block ids {bad} are the null block ({config.null_block}) or outside "
-                f"[0, {config.num_blocks})"
-            )
-        if not 0 <= r.adapter <= config.num_adapters:
-            raise ValueError(
-                f"{where}: adapter {r.adapter} outside [0, num_adapters={config.num_adapters}]"
-            )
-        bad_tokens = [t for t in r.tokens if not 0 <= t < config.vocab_size]
-        if bad_tokens:
-            raise ValueError(f"{where}: token ids {bad_tokens} outside [0, {config.vocab_size})")

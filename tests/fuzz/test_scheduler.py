@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytest_graphmode.contract import Batch
-from pytest_graphmode.fuzz.legality import batch_problems
+from pytest_graphmode.contract import Batch, batch_problems
 from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import BlockAllocator, Scheduler, compile_schedule
 from pytest_graphmode.strategies.schedules import batch_lists, row_counts, schedules

@@ -193,6 +193,18 @@ def test_close_releases_every_mapping_and_descriptor_twenty_times():
     assert (mapping_count(), fd_count()) == (maps_before, fds_before)
 
 
+def test_a_pool_dropped_without_close_gives_back_its_descriptor():
+    HostPool(GRANULARITY, VIEW_CAPACITY).close()
+    gc.collect()
+    fds_before = fd_count()
+    for _ in range(5):
+        pool = HostPool(GRANULARITY, VIEW_CAPACITY)
+        pool.new_view("k").allocate(1000).fill_(1)
+        del pool
+    gc.collect()
+    assert fd_count() == fds_before
+
+
 def test_a_tensor_alive_at_close_keeps_its_mapping_until_it_dies():
     maps_before = mapping_count()
     pool = HostPool(GRANULARITY, VIEW_CAPACITY)

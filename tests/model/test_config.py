@@ -54,20 +54,20 @@ def _request(**change: object) -> Request:
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
-        (_request(block_ids=(1,)), "1 block ids for 5 tokens; need 2"),
-        (_request(block_ids=(0, 2)), r"block ids \[0\] are the null block"),
-        (_request(block_ids=(1, 64)), r"block ids \[64\] are the null block \(0\) or outside"),
-        (_request(tokens=(1, 256)), r"token ids \[256\] outside \[0, 256\)"),
-        (_request(adapter=3), "adapter 3 outside"),
-        (_request(tokens=()), "needs >= 1 query token"),
+        (_request(block_ids=(1,)), "block table too short: 1 blocks of 4 slots"),
+        (_request(block_ids=(0, 2)), "uses the null block 0"),
+        (_request(block_ids=(1, 64)), r"block ids \[64\] outside \[0, 64\)"),
+        (_request(tokens=(1, 256)), r"token ids \[256\] outside the vocabulary \[0, 256\)"),
+        (_request(adapter=3), r"adapter=3 outside \[0, 2\]"),
+        (_request(tokens=()), "has no query tokens"),
         (
             _request(context_len=31, block_ids=tuple(range(1, 10))),
-            "sequence length 33 exceeds max_seq_len 32",
+            "9 blocks exceed max_blocks_per_req=8",
         ),
     ],
 )
 def test_invalid_request_is_refused(request_: Request, message: str) -> None:
-    with pytest.raises(ValueError, match="request 0: " + message):
+    with pytest.raises(ValueError, match=r"request 0 \(row 0\): " + message):
         make_inputs(CONFIG, [request_], device="cpu")
 
 

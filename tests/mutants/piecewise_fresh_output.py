@@ -12,7 +12,7 @@ from typing import Literal
 
 from torch import Tensor
 
-from pytest_graphmode.runtime.capture import CapturedStep, PiecewiseStep
+from pytest_graphmode.runtime.captured_steps import CapturedStep, PiecewiseStep
 from pytest_graphmode.runtime.executor import GraphExecutor
 from pytest_graphmode.runtime.keys import GraphKey
 from pytest_graphmode.runtime.model import DecoderInputs

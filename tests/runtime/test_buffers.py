@@ -111,7 +111,11 @@ BAD_BATCHES = [
         _with(GOOD, 0, block_ids=tuple(range(1, 10))), "max_blocks_per_req", id="long-table"
     ),
     pytest.param(_with(GOOD, 0, block_ids=(1, 1)), "twice", id="repeated-block"),
-    pytest.param(_with(GOOD, 1, block_ids=(1, 2)), "also writes", id="shared-written-slot"),
+    pytest.param(
+        _with(GOOD, 1, block_ids=(1, 2)),
+        "also belongs to request 100 (row 0)",
+        id="shared-written-slot",
+    ),
     pytest.param(_with(GOOD, 1, req_id=100), "req_id also used", id="duplicate-req-id"),
     pytest.param(_with(GOOD, 1, temperature=0.0), "temperature", id="zero-temperature"),
     pytest.param(_with(GOOD, 1, temperature=float("nan")), "temperature", id="nan-temperature"),
@@ -202,5 +206,22 @@ def test_limits_reject_empty_shapes() -> None:
 
 def test_request_fields_must_be_ints(inputs: StaticInputs) -> None:
     bad = Batch((Request(req_id=1, tokens=(1.5,), context_len=0, block_ids=(1,)),))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match=r"token ids \[1.5\] are not integers"):
         inputs.stage(bad, 1, 1)
+
+
+def test_two_requests_may_not_share_a_block_even_at_different_slots(
+    target: RuntimeTarget,
+) -> None:
+    # Request 1 writes slot 2 of block 5, request 0 slots 0 and 1: no slot is written twice,
+    # but a block belongs to one request, as the harness's block allocator hands them out.
+    shared = Batch(
+        (
+            Request(req_id=0, tokens=(1, 2), context_len=0, block_ids=(5,)),
+            Request(req_id=1, tokens=(3,), context_len=2, block_ids=(5,)),
+        )
+    )
+    before = _snapshot(target)
+    with pytest.raises(ValueError, match=r"request 1 \(row 1\): block 5 also belongs to request 0"):
+        target.step(shared)
+    _assert_bit_identical(before, target)

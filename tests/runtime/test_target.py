@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 import torch
 from runtime_helpers import TINY, assert_kv_match, assert_match, make_batch
@@ -125,3 +128,16 @@ def test_static_buffers_are_the_executor_inputs() -> None:
         "temperatures",
     }
     assert target.static_buffers()["block_tables"].shape == (32, TINY.max_blocks_per_req)
+
+
+def test_a_target_dropped_without_close_releases_its_descriptors() -> None:
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    make_target("graph", seed=1, backend="sim").step(make_batch([1]))  # first use loads libraries
+    gc.collect()
+    before = open_fds()
+    for _ in range(3):
+        make_target("graph", seed=1, backend="sim").step(make_batch([1, 1]))
+    gc.collect()
+    assert open_fds() == before

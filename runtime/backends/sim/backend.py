@@ -24,9 +24,9 @@ from pytest_graphmode.runtime.backends.sim import ops
 from pytest_graphmode.runtime.backends.sim.capture import Capture, Program
 from pytest_graphmode.runtime.backends.sim.pool import SimCapturePool, SimPoolHandle, poison_
 from pytest_graphmode.runtime.backends.sim.streams import (
-    Scheduler,
     SimEvent,
     SimStream,
+    StreamScheduler,
     new_marker,
     new_wait,
     new_work,
@@ -113,7 +113,7 @@ class SimBackend:
     def __init__(self, seed: int = 0) -> None:
         global _BACKEND
         _BACKEND = self
-        self.scheduler = Scheduler(seed)
+        self.scheduler = StreamScheduler(seed)
         self._default = SimStream(_backend=self)
         self._current = self._default
         self._capture_stream = SimStream(_backend=self)

@@ -44,7 +44,7 @@ class _Wait:
 _Item = _Work | _Marker | _Wait
 
 
-class Scheduler:
+class StreamScheduler:
     """Owns every stream's queue; the single place where queued device work runs."""
 
     # Chance, at each scheduling point, that one queued item runs early.

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from pytest_graphmode.runtime.buckets._plan import (
+from pytest_graphmode.planner._plan import (
     CostModel,
     GraphCost,
     Plan,
@@ -25,7 +25,7 @@ from pytest_graphmode.runtime.buckets._plan import (
     graph_cost_function,
     step_cost_function,
 )
-from pytest_graphmode.runtime.buckets._table import check_histogram
+from pytest_graphmode.runtime.buckets import check_histogram
 
 # Two objectives closer than this (relative) are a tie, and the plan with fewer graphs wins.
 _TIE = 1e-9

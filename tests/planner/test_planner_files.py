@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pytest_graphmode.runtime.buckets import (
+from pytest_graphmode.planner import (
     read_histogram,
     read_latency,
     read_sizes,

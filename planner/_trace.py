@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pytest_graphmode.runtime.buckets._table import BucketTable
+from pytest_graphmode.runtime.buckets import BucketTable
 
 
 @dataclass(frozen=True, slots=True)

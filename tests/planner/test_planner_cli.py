@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pytest_graphmode.runtime.buckets._cli import main
+from pytest_graphmode.planner._cli import main
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from pytest_graphmode.runtime.buckets._table import BucketTable, check_histogram
+from pytest_graphmode.runtime.buckets import BucketTable, check_histogram
 
 StepCost = Callable[[int, int], float]
 CostModel = Mapping[int, float] | StepCost | None

@@ -5,7 +5,8 @@ as pieces with attention run eagerly between them (`runtime.piecewise`); the log
 sampling depend on the request rows and run eagerly after the last piece.
 
 A capture either completes or leaves nothing behind: a failure resets the graph and releases the
-key's pool view, and the caller gets the exception to record as the key's fallback reason.
+key's pool view, and the caller gets the exception to record as the key's fallback reason. An
+interrupt (KeyboardInterrupt, SystemExit) is cleaned up the same way and propagates.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.runtime.buffers import SamplingInputs
 from pytest_graphmode.runtime.keys import GraphKey
 from pytest_graphmode.runtime.model import Decoder, DecoderInputs, sample
@@ -77,7 +79,7 @@ class PiecewiseStep:
         self.pieces.reset()
 
 
-def warm_up(backend: Any, run: Callable[[], object]) -> None:
+def warm_up(backend: Backend, run: Callable[[], object]) -> None:
     """Run the step eagerly once on a side stream, as PyTorch recommends before a capture, so
     lazy initialisation and workspace allocation happen outside the graph.
 
@@ -86,12 +88,15 @@ def warm_up(backend: Any, run: Callable[[], object]) -> None:
     cache are the same as with one run."""
     side = backend.Stream()
     side.wait_stream(backend.current_stream())
-    with backend.stream(side):
-        run()
-    backend.current_stream().wait_stream(side)
+    try:
+        with backend.stream(side):
+            run()
+    finally:
+        # Also when interrupted: whatever the side stream queued is ordered before later work.
+        backend.current_stream().wait_stream(side)
 
 
-def capture_full(backend: Any, key: GraphKey, run: StepFn, memory: Any) -> FullGraph:
+def capture_full(backend: Backend, key: GraphKey, run: StepFn, memory: Any) -> FullGraph:
     """Warm up, then capture `run` as the graph of `key`."""
     started = time.perf_counter()
     warm_up(backend, run)
@@ -99,7 +104,7 @@ def capture_full(backend: Any, key: GraphKey, run: StepFn, memory: Any) -> FullG
     try:
         with backend.graph(graph, pool=memory.pool_for(key)):
             logits, next_tokens = run()
-    except Exception:
+    except BaseException:
         graph.reset()
         memory.discard(key)
         raise
@@ -108,7 +113,7 @@ def capture_full(backend: Any, key: GraphKey, run: StepFn, memory: Any) -> FullG
 
 
 def capture_pieces(
-    backend: Any,
+    backend: Backend,
     key: GraphKey,
     decoder: Decoder,
     inputs: DecoderInputs,
@@ -128,7 +133,7 @@ def capture_pieces(
             decoder.attention,
             pool=memory.pool_for(key),
         )
-    except Exception:
+    except BaseException:
         memory.discard(key)
         raise
     memory.captured(key)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytest_graphmode.runtime.buckets import (
+from pytest_graphmode.planner import (
     TraceRequest,
     decode_runs,
     halves,

@@ -1,4 +1,4 @@
-"""Command line: `python -m pytest_graphmode.runtime.buckets plan|replay|simulate ...`."""
+"""Command line: `python -m pytest_graphmode.planner plan|replay|simulate ...`."""
 
 from __future__ import annotations
 
@@ -8,19 +8,18 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pytest_graphmode.runtime.buckets._files import (
+from pytest_graphmode.planner._files import (
     read_histogram,
     read_latency,
     read_sizes,
     read_trace,
     write_histogram,
 )
-from pytest_graphmode.runtime.buckets._plan import CostModel, Plan, evaluate
-from pytest_graphmode.runtime.buckets._planner import plan
-from pytest_graphmode.runtime.buckets._schedules import KINDS, schedule
-from pytest_graphmode.runtime.buckets._table import BucketTable
-from pytest_graphmode.runtime.buckets._trace import replay
-from pytest_graphmode.runtime.buckets._traffic import decode_runs, halves, read_azure_trace
+from pytest_graphmode.planner._plan import CostModel, Plan, evaluate
+from pytest_graphmode.planner._search import plan
+from pytest_graphmode.planner._trace import replay
+from pytest_graphmode.planner._traffic import decode_runs, halves, read_azure_trace
+from pytest_graphmode.runtime.buckets import KINDS, BucketTable, schedule
 
 
 def _sizes_argument(text: str) -> list[int]:
@@ -32,7 +31,7 @@ def _sizes_argument(text: str) -> list[int]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m pytest_graphmode.runtime.buckets",
+        prog="python -m pytest_graphmode.planner",
         description="Plan capture sizes for a histogram, replay traces, simulate traffic.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
@@ -126,7 +125,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"{'plan':<10}  {_row(evaluate(result.sizes, judge, cost=cost))}")
     for kind in KINDS:
         fixed = schedule(kind, top, align=args.align, clamp=True)
-        unmeasured = [size for size in fixed if cost is not None and size not in cost]
+        unmeasured = [size for size in fixed if isinstance(cost, Mapping) and size not in cost]
         if unmeasured:
             print(f"{kind:<10}  {len(fixed):>6}  not compared: no latency for sizes {unmeasured}")
             continue

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytest_graphmode.runtime.buckets import KINDS, evaluate, plan, schedule
+from pytest_graphmode.planner import evaluate, plan
+from pytest_graphmode.runtime.buckets import KINDS, schedule
 
 small_histograms = st.dictionaries(st.integers(1, 12), st.integers(1, 50), min_size=1, max_size=8)
 

@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytest_graphmode.runtime.buckets import BucketTable, replay
+from pytest_graphmode.planner import replay
+from pytest_graphmode.runtime.buckets import BucketTable
 
 
 def test_replay_counts_hits_padding_and_fallbacks():

@@ -1,0 +1,112 @@
+"""The backend facade as a type: what a runner may use, whichever backend runs it.
+
+`Backend` is the subset of torch.cuda that `backends.get()` returns; `CudaBackend` and
+`SimBackend` both satisfy it, and mypy checks that they do (see the end of this module). Stream,
+event and graph objects are typed by the methods a runner calls on them. Arguments that are another
+stream or event are `Any`: each backend accepts only its own kind, which a protocol cannot say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class GraphHandle(Protocol):
+    """A captured graph, shaped like `torch.cuda.CUDAGraph`."""
+
+    def replay(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def pool(self) -> Any: ...  # an opaque pool id, to pass as `graph(..., pool=)`
+
+
+class StreamHandle(Protocol):
+    """A stream, shaped like `torch.cuda.Stream`."""
+
+    def wait_stream(self, stream: Any) -> None: ...
+
+    def wait_event(self, event: Any) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+
+class EventHandle(Protocol):
+    """An event, shaped like `torch.cuda.Event`."""
+
+    def record(self, stream: Any = None) -> object: ...
+
+    def wait(self, stream: Any = None) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end_event: Any) -> float: ...  # milliseconds
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What `backends.get()` returns: names and semantics as in torch.cuda."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def CaptureError(self) -> type[CaptureError]: ...
+
+    @property
+    def UseAfterFreeError(self) -> type[UseAfterFreeError]: ...
+
+    @property
+    def Graph(self) -> Callable[[], GraphHandle]: ...
+
+    @property
+    def Stream(self) -> Callable[[], StreamHandle]: ...
+
+    @property
+    def Event(self) -> Callable[..., EventHandle]: ...  # Event(enable_timing=False)
+
+    def graph(
+        self,
+        cuda_graph: Any,
+        pool: Any = None,
+        stream: Any = None,
+        capture_error_mode: str = "global",
+    ) -> AbstractContextManager[Any]: ...
+
+    def stream(self, s: Any) -> AbstractContextManager[Any]: ...
+
+    def current_stream(self) -> StreamHandle: ...
+
+    def default_stream(self) -> StreamHandle: ...
+
+    def synchronize(self) -> None: ...
+
+    def graph_pool_handle(self) -> Any: ...
+
+    def empty_pinned(
+        self, size: int | tuple[int, ...], dtype: torch.dtype = ...
+    ) -> torch.Tensor: ...  # dtype defaults to float32
+
+    def set_scheduler_seed(self, seed: int) -> None: ...
+
+
+if TYPE_CHECKING:  # mypy checks that both backends are Backends; nothing runs at import
+    from pytest_graphmode.runtime.backends.cuda import CudaBackend
+    from pytest_graphmode.runtime.backends.sim import SimBackend
+
+    def _both_backends_conform(cuda: CudaBackend, sim: SimBackend) -> tuple[Backend, Backend]:
+        return cuda, sim
