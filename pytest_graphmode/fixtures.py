@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import pytest
 
 from pytest_graphmode.contract import GraphTarget, TargetFactory
-from pytest_graphmode.loader import TargetError, check_target, load_factory
-from pytest_graphmode.plugin import PROFILES, resolve_backend, settings_of, summary_of
+from pytest_graphmode.loader import TargetError, check_target
 from pytest_graphmode.report import ProgressLine
+from pytest_graphmode.settings import hypothesis_settings, resolve_backend, settings_of, summary_of
 
 if TYPE_CHECKING:
     from hypothesis import settings as HypothesisSettings
@@ -29,34 +29,6 @@ class Twins(NamedTuple):
 
     graph: GraphTarget
     eager: GraphTarget
-
-
-def hypothesis_settings(profile: str, *, max_examples: int) -> HypothesisSettings:
-    """The `graphmode-<profile>` Hypothesis settings with this campaign's number of examples."""
-    from hypothesis import settings
-
-    return settings(hypothesis_profile(profile), max_examples=max_examples)
-
-
-def hypothesis_profile(profile: str) -> HypothesisSettings:
-    """The Hypothesis settings of `graphmode-<profile>`, registering all three profiles.
-
-    No per-example deadline: an example that captures graphs is legitimately slow. None of them is
-    derandomized: a campaign is reproducible through its seed, which the plugin always passes.
-    """
-    from hypothesis import HealthCheck, settings
-
-    for name, (examples, _steps) in PROFILES.items():
-        settings.register_profile(
-            f"graphmode-{name}",
-            max_examples=examples,
-            deadline=None,
-            derandomize=False,
-            database=None,  # a failure is reproduced from its replay snippet, not a local cache
-            report_multiple_bugs=False,
-            suppress_health_check=list(HealthCheck),
-        )
-    return settings.get_profile(f"graphmode-{profile}")
 
 
 class GraphmodeFuzz:
@@ -96,7 +68,7 @@ class GraphmodeFuzz:
                 seed=run.seed if seed is None else seed,
                 features=features,
                 progress=lambda s: progress.update(s.examples, s.steps, len(s.failures)),
-                settings=settings or hypothesis_settings(run.profile, max_examples=examples),
+                settings=settings or hypothesis_settings(examples),
             )
         except GraphmodeFailure as exc:
             summary = summary_of(self._config)
@@ -143,7 +115,7 @@ def graphmode_backend(pytestconfig: pytest.Config) -> Any:
 def graphmode_target_factory(pytestconfig: pytest.Config) -> TargetFactory:
     """The factory named by `--graphmode-target` (or ini `graphmode_target`)."""
     try:
-        return load_factory(settings_of(pytestconfig).target)
+        return settings_of(pytestconfig).factory
     except TargetError as exc:
         raise pytest.UsageError(f"--graphmode-target / graphmode_target: {exc}") from exc
 

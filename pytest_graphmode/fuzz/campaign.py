@@ -15,13 +15,13 @@ import time
 from collections.abc import Callable
 
 import hypothesis
-from hypothesis import HealthCheck, Phase
 from hypothesis import strategies as st
 
 from pytest_graphmode.contract import TargetFactory, TargetSpec
 from pytest_graphmode.fuzz.failure import GraphmodeFailure
 from pytest_graphmode.fuzz.machine import Lockstep
 from pytest_graphmode.fuzz.stats import CampaignStats
+from pytest_graphmode.settings import hypothesis_settings
 from pytest_graphmode.strategies.plans import StepPlan
 from pytest_graphmode.strategies.scheduler import compile_schedule
 from pytest_graphmode.strategies.schedules import schedules
@@ -46,19 +46,6 @@ def _restricted(spec: TargetSpec, features: frozenset[str] | None) -> TargetSpec
             f"{sorted(spec.features)}"
         )
     return dataclasses.replace(spec, features=frozenset(features))
-
-
-def default_settings(max_examples: int) -> hypothesis.settings:
-    return hypothesis.settings(
-        max_examples=max_examples,
-        deadline=None,  # the first steps of an example capture graphs: slow by design
-        database=None,  # a failure is reproduced from its replay snippet, not from a cache
-        report_multiple_bugs=False,
-        suppress_health_check=list(HealthCheck),
-        # no "explain": it re-runs hundreds of variants of the shrunk schedule, and the replay
-        # snippet already is the explanation
-        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-    )
 
 
 def run_campaign(
@@ -95,7 +82,7 @@ def run_campaign(
             if progress is not None:
                 progress(stats)
 
-    example = (settings or default_settings(max_examples))(example)
+    example = (settings or hypothesis_settings(max_examples))(example)
     if seed is not None:
         example = hypothesis.seed(seed)(example)
     try:
