@@ -15,7 +15,7 @@ Public API (stable; the pytest plugin is built on it):
   seconds; `merge(other)` (xdist aggregation) and `to_json()`.
 - `Failure(check, step, message, seed, replay_snippet)`, and `GraphmodeFailure(AssertionError)`
   with `.failure` and `.stats`.
-- `CHECKS`: the check names, in the order they run within a step.
+- `CHECKS`: the check names, in the order they run within a step (`registry.REGISTRY`).
 
 `factory` is a `TargetFactory`: `factory(mode, *, seed, backend) -> GraphTarget`. Every target
 made is closed, also when a check fails.
@@ -45,20 +45,10 @@ How each bug class of BUG_CLASSES.md is provoked (before the arrow) and seen (af
    -> replay_matches_eager, kv_writes_confined
 """
 
+from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.fuzz.campaign import run_campaign
 from pytest_graphmode.fuzz.failure import Failure, GraphmodeFailure
+from pytest_graphmode.fuzz.registry import CHECKS
 from pytest_graphmode.fuzz.replay import replay
-from pytest_graphmode.fuzz.stats import CampaignStats
-
-CHECKS = (
-    "kv_writes_confined",
-    "replay_matches_eager",
-    "padding_inert",
-    "states_match",
-    "results_stay_valid",
-    "address_views_disjoint",
-    "pool_within_bound",
-    "sampling_independent",
-)
 
 __all__ = ["CHECKS", "CampaignStats", "Failure", "GraphmodeFailure", "replay", "run_campaign"]

@@ -10,7 +10,7 @@ from pytest_graphmode.contract import Batch
 from pytest_graphmode.strategies.plans import Stress
 
 if TYPE_CHECKING:
-    from pytest_graphmode.fuzz.stats import CampaignStats
+    from pytest_graphmode.campaign_stats import CampaignStats
 
 
 @dataclass(frozen=True)
