@@ -1,17 +1,25 @@
-"""Campaign statistics: what ran, which buckets and paths were hit, what failed."""
+"""Campaign statistics: what ran, which buckets and paths were hit, what failed.
+
+One class counts a campaign, a test session (all its campaigns, `SessionSummary`) and the workers
+of an xdist run; its JSON form is what workers send to the controller and what the report holds.
+Imports no torch.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_graphmode.fuzz.failure import Failure
+from pytest_graphmode.failure import Failure
+
+_COUNTERS = ("paths", "fallback_reasons", "checks_run")
 
 
 @dataclass
 class CampaignStats:
-    """Counters of one campaign (or of several, merged: xdist workers each run their own)."""
+    """Counters of one campaign, or of several merged."""
 
     examples: int = 0
     steps: int = 0
@@ -41,18 +49,60 @@ class CampaignStats:
             "examples": self.examples,
             "steps": self.steps,
             "buckets_hit": {str(k): v for k, v in sorted(self.buckets_hit.items())},
-            "paths": dict(sorted(self.paths.items())),
-            "fallback_reasons": dict(sorted(self.fallback_reasons.items())),
-            "checks_run": dict(sorted(self.checks_run.items())),
-            "failures": [
-                {
-                    "check": f.check,
-                    "step": f.step,
-                    "message": f.message,
-                    "seed": f.seed,
-                    "replay_snippet": f.replay_snippet,
-                }
-                for f in self.failures
-            ],
+            **{name: dict(sorted(getattr(self, name).items())) for name in _COUNTERS},
+            "failures": [failure.to_json() for failure in self.failures],
             "seconds": round(self.seconds, 3),
         }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CampaignStats:
+        """The inverse of `to_json`."""
+        missing = [
+            key
+            for key in ("examples", "steps", "buckets_hit", *_COUNTERS, "failures", "seconds")
+            if key not in data
+        ]
+        if missing:
+            raise ValueError(f"campaign stats JSON lacks keys {missing}; got {sorted(data)}")
+        return cls(
+            examples=int(data["examples"]),
+            steps=int(data["steps"]),
+            buckets_hit=Counter({int(k): int(v) for k, v in data["buckets_hit"].items()}),
+            **{
+                name: Counter({str(k): int(v) for k, v in data[name].items()}) for name in _COUNTERS
+            },
+            failures=[Failure.from_json(failure) for failure in data["failures"]],
+            seconds=float(data["seconds"]),
+        )
+
+
+@dataclass
+class SessionSummary:
+    """All campaigns of one test session (all xdist workers): their merged statistics and how
+    many campaigns there were."""
+
+    campaigns: int = 0
+    stats: CampaignStats = field(default_factory=CampaignStats)
+
+    def add_campaign(self, stats: CampaignStats) -> None:
+        """Count one campaign, finished, failed or interrupted."""
+        self.campaigns += 1
+        self.stats = self.stats.merge(stats)
+
+    def add_failure(self, failure: Failure) -> None:
+        """Count a campaign that failed before it had statistics to report."""
+        self.add_campaign(CampaignStats(failures=[failure]))
+
+    def merge(self, other: SessionSummary) -> None:
+        """Fold in another session's summary (an xdist worker's)."""
+        self.campaigns += other.campaigns
+        self.stats = self.stats.merge(other.stats)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"campaigns": self.campaigns, **self.stats.to_json()}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SessionSummary:
+        if "campaigns" not in data:
+            raise ValueError(f"session summary JSON lacks key 'campaigns'; got {sorted(data)}")
+        return cls(int(data["campaigns"]), CampaignStats.from_json(data))

@@ -7,7 +7,6 @@ fixture is used.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -73,13 +72,13 @@ class GraphmodeFuzz:
         except GraphmodeFailure as exc:
             summary = summary_of(self._config)
             if exc.stats is None:
-                summary.add_failure(dataclasses.asdict(exc.failure))
+                summary.add_failure(exc.failure)
             else:
-                summary.add_campaign(exc.stats.to_json())
+                summary.add_campaign(exc.stats)
             raise
         finally:
             progress.finish()
-        summary_of(self._config).add_campaign(stats.to_json())
+        summary_of(self._config).add_campaign(stats)
         return stats
 
     def _progress_line(self, label: str) -> ProgressLine:

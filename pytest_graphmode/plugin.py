@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,10 @@ from typing import Any
 import pytest
 
 from pytest_graphmode import fixtures
+from pytest_graphmode.campaign_stats import SessionSummary
+from pytest_graphmode.failure import GraphmodeFailure
 from pytest_graphmode.loader import TargetError
-from pytest_graphmode.report import SessionSummary, summary_lines, write_report
+from pytest_graphmode.report import summary_lines, write_report
 from pytest_graphmode.settings import (
     OPTIONS,
     SETTINGS_KEY,
@@ -117,10 +118,9 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    fuzz = sys.modules.get("pytest_graphmode.fuzz")  # loaded wherever a campaign could fail
-    if fuzz is not None and call.excinfo is not None and report.failed:
+    if call.excinfo is not None and report.failed:
         failure = call.excinfo.value
-        if isinstance(failure, fuzz.GraphmodeFailure):
+        if isinstance(failure, GraphmodeFailure):
             # The message already says what to act on (check, step, values, replay snippet);
             # the engine's traceback would only bury it.
             report.longrepr = str(failure)
@@ -151,7 +151,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     settings = settings_of(config)
     if settings.report is not None and (settings.fuzz or summary.campaigns):
         write_report(settings.report, summary, _run_facts(settings))
-    if summary.failures and session.exitstatus == pytest.ExitCode.OK:
+    if summary.stats.failures and session.exitstatus == pytest.ExitCode.OK:
         # A gate: a failed check fails the run even where a test swallowed the exception.
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

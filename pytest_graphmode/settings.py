@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from pytest_graphmode.campaign_stats import SessionSummary
 from pytest_graphmode.contract import TargetFactory
 from pytest_graphmode.loader import DEFAULT_TARGET, load_factory
-from pytest_graphmode.report import SessionSummary
 
 if TYPE_CHECKING:
     import hypothesis

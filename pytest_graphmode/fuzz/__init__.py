@@ -46,8 +46,8 @@ How each bug class of BUG_CLASSES.md is provoked (before the arrow) and seen (af
 """
 
 from pytest_graphmode.campaign_stats import CampaignStats
+from pytest_graphmode.failure import Failure, GraphmodeFailure
 from pytest_graphmode.fuzz.campaign import run_campaign
-from pytest_graphmode.fuzz.failure import Failure, GraphmodeFailure
 from pytest_graphmode.fuzz.registry import CHECKS
 from pytest_graphmode.fuzz.replay import replay
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import TargetFactory, TargetSpec
-from pytest_graphmode.fuzz.failure import GraphmodeFailure
+from pytest_graphmode.failure import GraphmodeFailure
 from pytest_graphmode.fuzz.lockstep import Lockstep
 from pytest_graphmode.settings import hypothesis_settings
 from pytest_graphmode.strategies.plans import StepPlan

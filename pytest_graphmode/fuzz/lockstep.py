@@ -20,10 +20,11 @@ import torch
 
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, GraphTarget, StepResult, TargetFactory, TargetSpec
+from pytest_graphmode.failure import Failure, GraphmodeFailure
 from pytest_graphmode.fuzz import sampling_check
 from pytest_graphmode.fuzz.checks import Outcome
-from pytest_graphmode.fuzz.failure import Failure, GraphmodeFailure, replay_snippet
 from pytest_graphmode.fuzz.registry import REGISTRY, Evidence, Kept, State
+from pytest_graphmode.fuzz.snippet import replay_snippet
 from pytest_graphmode.fuzz.violation import Violation
 from pytest_graphmode.strategies import stressors
 from pytest_graphmode.strategies.plans import Stress

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, TargetFactory
-from pytest_graphmode.fuzz.failure import GraphmodeFailure
+from pytest_graphmode.failure import GraphmodeFailure
 from pytest_graphmode.fuzz.legality import batch_problems
 from pytest_graphmode.fuzz.lockstep import Lockstep
 from pytest_graphmode.strategies.plans import Stress

@@ -7,7 +7,7 @@ import pytest
 
 from pytest_graphmode.contract import Batch, Request
 from pytest_graphmode.fuzz import GraphmodeFailure, replay
-from pytest_graphmode.fuzz.failure import replay_snippet
+from pytest_graphmode.fuzz.snippet import replay_snippet
 from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
 from tests.fuzz import toy
