@@ -12,9 +12,12 @@ Public API (stable; the pytest plugin is built on it):
   schedule (a list of `Batch`, optionally with `Stress` events) with every check; a failure's
   `replay_snippet` is such a call.
 - `CampaignStats`: examples, steps, buckets_hit, paths, fallback_reasons, checks_run, failures,
-  seconds; `merge(other)` (xdist aggregation) and `to_json()`.
+  seconds; `merge(other)` (xdist aggregation), `to_json()` and `from_json()`.
 - `Failure(check, step, message, seed, replay_snippet)`, and `GraphmodeFailure(AssertionError)`
   with `.failure` and `.stats`.
+
+`CampaignStats`, `Failure` and `GraphmodeFailure` live in torch-free modules and are exported from
+`pytest_graphmode` too.
 - `CHECKS`: the check names, in the order they run within a step (`registry.REGISTRY`).
 
 `factory` is a `TargetFactory`: `factory(mode, *, seed, backend) -> GraphTarget`. Every target
