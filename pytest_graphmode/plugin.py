@@ -52,7 +52,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "graphmode_fuzz: a graph-mode fuzz test; runs only with --graphmode-fuzz"
     )
-    config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped where none is available")
+    config.addinivalue_line(
+        "markers", "graphmode_cuda: needs a CUDA GPU; skipped where none is available"
+    )
     settings = resolve(config)
     config.stash[SETTINGS_KEY] = settings
     config.stash[SUMMARY_KEY] = SessionSummary()
@@ -70,7 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.is_registered(fixtures):
         config.pluginmanager.register(fixtures, "graphmode-fixtures")
     if config.pluginmanager.hasplugin("benchmark"):
-        # graph_benchmark builds on pytest-benchmark's fixture: offered only where it is installed.
+        # graphmode_benchmark builds on pytest-benchmark's fixture: offered where it is installed.
         from pytest_graphmode import benchmark
 
         if not config.pluginmanager.is_registered(benchmark):
@@ -106,7 +108,7 @@ def pytest_collection_modifyitems(
         for item in items:
             if item.get_closest_marker("graphmode_fuzz"):
                 item.add_marker(off)
-    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    cuda_items = [item for item in items if item.get_closest_marker("graphmode_cuda")]
     if cuda_items and not _cuda_available():
         no_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
         for item in cuda_items:

@@ -42,7 +42,7 @@ def test_cuda_marked_test_is_skipped_with_a_reason_without_a_gpu(
 ) -> None:
     pytester.makepyfile(
         "import pytest\n"
-        "@pytest.mark.cuda\n"
+        "@pytest.mark.graphmode_cuda\n"
         "def test_on_gpu():\n"
         "    raise AssertionError('must not run')\n"
     )
