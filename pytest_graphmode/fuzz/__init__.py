@@ -23,7 +23,7 @@ Public API (stable; the pytest plugin is built on it):
 `factory` is a `TargetFactory`: `factory(mode, *, seed, backend) -> GraphTarget`. Every target
 made is closed, also when a check fails.
 
-How each bug class of BUG_CLASSES.md is provoked (before the arrow) and seen (after it):
+How each bug class of docs/bug-classes.md is provoked (before the arrow) and seen (after it):
 
 1. padding rows: poisoned static buffers holding live block/slot ids, a NaN null block
    -> kv_writes_confined, padding_inert
