@@ -54,6 +54,10 @@ class Lockstep:
     ) -> None:
         from pytest_graphmode.runtime import backends
 
+        # A runner that draws from torch's global generator (knowingly or not) must give the
+        # same values in a campaign and in the replay of its snippet: both start here, from the
+        # example's seed, before any target is made.
+        torch.manual_seed(seed)
         self.backend: Any = backends.get(backend)
         self.backend.set_scheduler_seed(seed)
         self._factory, self._backend_name, self.seed, self.stats = factory, backend, seed, stats

@@ -23,7 +23,8 @@ def replay(
     """Run `batches` (optionally interleaved with `Stress` events, which apply before the next
     batch) through the twins with every check; raise `GraphmodeFailure` like a campaign.
 
-    `seed` is the targets' seed and the poisoning seed: use the one a failure reports.
+    `seed` is the targets' seed, the poisoning seed and the seed of torch's global generator: use
+    the one a failure reports.
     Illegal batches are refused with the reasons before any step runs.
     """
     stats = CampaignStats(examples=1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hypothesis
 import pytest
+import torch
 from hypothesis import Phase
 
 from pytest_graphmode.contract import Batch
@@ -51,6 +52,18 @@ def test_shrinking_leaves_a_single_step_of_batch_literals():
     exec(snippet.split("replay(events")[0], namespace)
     assert [type(e) for e in namespace["events"]] == [Batch]
     assert caught.value.failure.step == 0
+
+
+def test_a_failure_drawn_from_the_global_generator_replays_with_the_same_values():
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(toy.factory(["global_noise"]), max_examples=5, max_steps=3, seed=4)
+    failure = caught.value.failure
+    torch.rand(5)  # the global generator has moved on since the campaign
+    snippet = failure.replay_snippet.replace("make_target", "toy.factory(['global_noise'])")
+    with pytest.raises(GraphmodeFailure) as again:
+        exec(snippet, {"toy": toy})
+    assert "differs from eager" in failure.message
+    assert again.value.failure.message == failure.message
 
 
 def test_features_restrict_what_schedules_use():
