@@ -89,10 +89,6 @@ class SessionSummary:
         self.campaigns += 1
         self.stats = self.stats.merge(stats)
 
-    def add_failure(self, failure: Failure) -> None:
-        """Count a campaign that failed before it had statistics to report."""
-        self.add_campaign(CampaignStats(failures=[failure]))
-
     def merge(self, other: SessionSummary) -> None:
         """Fold in another session's summary (an xdist worker's)."""
         self.campaigns += other.campaigns

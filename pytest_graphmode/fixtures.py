@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pytest
 
+from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import GraphTarget, TargetFactory
 from pytest_graphmode.loader import TargetError, check_target
 from pytest_graphmode.report import ProgressLine
@@ -19,8 +20,6 @@ from pytest_graphmode.settings import hypothesis_settings, resolve_backend, sett
 
 if TYPE_CHECKING:
     from hypothesis import settings as HypothesisSettings
-
-    from pytest_graphmode.fuzz import CampaignStats
 
 
 class Twins(NamedTuple):
@@ -58,8 +57,9 @@ class GraphmodeFuzz:
         run = settings_of(self._config)
         examples = run.examples if max_examples is None else max_examples
         progress = self._progress_line(label)
+        stats = CampaignStats()
         try:
-            stats = run_campaign(
+            run_campaign(
                 factory,
                 backend=resolve_backend(backend) if backend else run.backend,
                 max_examples=examples,
@@ -68,13 +68,11 @@ class GraphmodeFuzz:
                 features=features,
                 progress=lambda s: progress.update(s.examples, s.steps, len(s.failures)),
                 settings=settings or hypothesis_settings(examples),
+                stats=stats,
             )
-        except GraphmodeFailure as exc:
-            summary = summary_of(self._config)
-            if exc.stats is None:
-                summary.add_failure(exc.failure)
-            else:
-                summary.add_campaign(exc.stats)
+        except (GraphmodeFailure, KeyboardInterrupt):
+            # What ran until the failure or Ctrl-C belongs in the summary and the report.
+            summary_of(self._config).add_campaign(stats)
             raise
         finally:
             progress.finish()

@@ -5,9 +5,10 @@ collide.
 Public API (stable; the pytest plugin is built on it):
 
 - `run_campaign(factory, *, backend="sim", max_examples=50, max_steps=12, seed=None,
-  features=None, progress=None, settings=None) -> CampaignStats`: Hypothesis draws schedules of
-  legal batches and stressors; the first failure is shrunk to its smallest schedule and raised as
-  `GraphmodeFailure` (its `.stats` holds the statistics so far).
+  features=None, progress=None, settings=None, stats=None) -> CampaignStats`: Hypothesis draws
+  schedules of legal batches and stressors; the first failure is shrunk to its smallest schedule
+  and raised as `GraphmodeFailure` (its `.stats` holds the statistics so far). `stats` is counted
+  into as the campaign runs, so its caller keeps the counts of an interrupted campaign.
 - `replay(batches, *, factory, backend="sim", seed=0) -> CampaignStats`: re-run a concrete
   schedule (a list of `Batch`, optionally with `Stress` events) with every check; a failure's
   `replay_snippet` is such a call.

@@ -58,16 +58,19 @@ def run_campaign(
     features: frozenset[str] | None = None,
     progress: Callable[[CampaignStats], None] | None = None,
     settings: hypothesis.settings | None = None,
+    stats: CampaignStats | None = None,
 ) -> CampaignStats:
     """Fuzz `factory`'s targets; return the statistics, or raise `GraphmodeFailure` (carrying
     them as `.stats`) for the first failure, shrunk to its smallest schedule.
 
     `features` restricts what the schedules use to a subset of the target's features. `settings`,
     when given, replaces the default Hypothesis settings entirely (`max_examples` is then
-    ignored). `seed` makes the campaign reproducible.
+    ignored). `seed` makes the campaign reproducible. `stats`, when given, is counted into as the
+    campaign runs, so a caller still holds every count when something else ends the campaign
+    (Ctrl-C: `KeyboardInterrupt` passes through unchanged).
     """
     spec = _restricted(target_spec(factory, backend), features)
-    stats = CampaignStats()
+    stats = CampaignStats() if stats is None else stats
     started = time.perf_counter()
 
     @hypothesis.given(plans=schedules(spec, max_steps), example_seed=st.integers(0, 2**31 - 1))

@@ -8,7 +8,7 @@ import torch
 from hypothesis import Phase
 
 from pytest_graphmode.contract import Batch
-from pytest_graphmode.fuzz import CHECKS, GraphmodeFailure, run_campaign
+from pytest_graphmode.fuzz import CHECKS, CampaignStats, GraphmodeFailure, run_campaign
 from tests.fuzz import toy
 
 
@@ -64,6 +64,35 @@ def test_a_failure_drawn_from_the_global_generator_replays_with_the_same_values(
         exec(snippet, {"toy": toy})
     assert "differs from eager" in failure.message
     assert again.value.failure.message == failure.message
+
+
+def interrupted_after(graph_steps: int):
+    """The correct toy, whose graph-mode twins raise KeyboardInterrupt after `graph_steps` steps."""
+    taken = [0]
+
+    def make(mode: str, *, seed: int, backend: str) -> toy.ToyTarget:
+        target = toy.make_target(mode, seed=seed, backend=backend)
+        if mode == "graph":
+            step = target.step
+
+            def interrupted(batch: Batch):
+                taken[0] += 1
+                if taken[0] > graph_steps:
+                    raise KeyboardInterrupt
+                return step(batch)
+
+            target.step = interrupted  # type: ignore[method-assign]
+        return target
+
+    return make
+
+
+def test_an_interrupted_campaign_leaves_its_counts_in_the_stats_passed_in():
+    stats = CampaignStats()
+    with pytest.raises(KeyboardInterrupt):
+        run_campaign(interrupted_after(6), max_examples=20, max_steps=3, seed=1, stats=stats)
+    assert stats.steps == 3  # two graph-mode twins step per step
+    assert stats.checks_run["replay_matches_eager"] == 3 and stats.seconds > 0
 
 
 def test_features_restrict_what_schedules_use():

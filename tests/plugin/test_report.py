@@ -45,12 +45,6 @@ def test_campaigns_add_up() -> None:
     assert summary.stats.failures == [FAILURE]
 
 
-def test_a_failure_without_statistics_counts_as_a_campaign() -> None:
-    summary = SessionSummary()
-    summary.add_failure(FAILURE)
-    assert (summary.campaigns, summary.stats.steps, summary.stats.failures) == (1, 0, [FAILURE])
-
-
 def test_summary_json_missing_a_key_is_rejected_with_the_keys_it_has() -> None:
     data = SessionSummary(1, campaign()).to_json()
     del data["paths"]
