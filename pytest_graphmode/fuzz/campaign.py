@@ -11,8 +11,10 @@ and a failing example re-runs through exactly the code path `replay` uses.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import hypothesis
 from hypothesis import strategies as st
@@ -46,6 +48,27 @@ def _restricted(spec: TargetSpec, features: frozenset[str] | None) -> TargetSpec
             f"{sorted(spec.features)}"
         )
     return dataclasses.replace(spec, features=frozenset(features))
+
+
+@contextmanager
+def _storage_outside_the_project() -> Iterator[None]:
+    """Point Hypothesis's storage directory at a temporary one for the campaign.
+
+    Database or not, Hypothesis caches the constants of every module of the working directory in
+    its storage directory (`.hypothesis/constants/` by default), so a campaign would leave a
+    `.hypothesis/` in the user's project. The user's own setting is put back afterwards: their
+    Hypothesis tests keep their storage.
+    """
+    from hypothesis import configuration
+
+    # None: not chosen yet; Hypothesis then chooses again (environment, working directory).
+    previous = vars(configuration).get("__hypothesis_home_directory")
+    with tempfile.TemporaryDirectory(prefix="graphmode-hypothesis-") as home:
+        configuration.set_hypothesis_home_dir(home)
+        try:
+            yield
+        finally:
+            configuration.set_hypothesis_home_dir(previous)
 
 
 def run_campaign(
@@ -89,7 +112,8 @@ def run_campaign(
     if seed is not None:
         example = hypothesis.seed(seed)(example)
     try:
-        example()
+        with _storage_outside_the_project():
+            example()
     except GraphmodeFailure as failed:
         stats.failures.append(failed.failure)
         failed.stats = stats

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import hypothesis
 import pytest
 import torch
-from hypothesis import Phase
+from hypothesis import Phase, configuration
 
 from pytest_graphmode.contract import Batch
 from pytest_graphmode.fuzz import CHECKS, CampaignStats, GraphmodeFailure, run_campaign
@@ -93,6 +95,15 @@ def test_an_interrupted_campaign_leaves_its_counts_in_the_stats_passed_in():
         run_campaign(interrupted_after(6), max_examples=20, max_steps=3, seed=1, stats=stats)
     assert stats.steps == 3  # two graph-mode twins step per step
     assert stats.checks_run["replay_matches_eager"] == 3 and stats.seconds > 0
+
+
+def test_a_campaign_puts_the_users_hypothesis_storage_back(tmp_path: Path):
+    configuration.set_hypothesis_home_dir(tmp_path / "mine")
+    try:
+        run_campaign(toy.make_target, max_examples=2, max_steps=2, seed=1)
+        assert configuration.storage_directory().path == tmp_path / "mine"
+    finally:
+        configuration.set_hypothesis_home_dir(None)
 
 
 def test_features_restrict_what_schedules_use():

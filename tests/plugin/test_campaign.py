@@ -141,6 +141,10 @@ def test_passing_campaign_exits_zero_with_the_summary(passing_run: Run) -> None:
     )
 
 
+def test_a_campaign_leaves_no_hypothesis_directory_in_the_project(passing_run: Run) -> None:
+    assert not (passing_run.path / ".hypothesis").exists()
+
+
 def test_campaign_shows_a_live_progress_line(passing_run: Run) -> None:
     passing_run.fnmatch_lines(["*graphmode campaign: 2 examples, * steps, 0 failures so far*"])
 
