@@ -32,6 +32,7 @@ EXPECTED = {
     "row_noise": "sampling_independent",
     "reads_scratch": "padding_inert",
     "drift": "replay_matches_eager",
+    "global_noise": "replay_matches_eager",
     "raises_at_3": "replay_matches_eager",
     "overlapping_views": "address_views_disjoint",
     "pool_growth": "pool_within_bound",
