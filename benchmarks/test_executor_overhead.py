@@ -18,7 +18,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def test_executor_step_vs_raw_replay(
-    graph_benchmark: GraphBenchmark, graphmode_backend: Any, decoder: Decoder, batch_size: int
+    graphmode_benchmark: GraphBenchmark, graphmode_backend: Any, decoder: Decoder, batch_size: int
 ) -> None:
     executor = make_executor(decoder, graphmode_backend, [batch_size])
     try:
@@ -32,14 +32,14 @@ def test_executor_step_vs_raw_replay(
         )
         try:
             executor.inputs.stage(batch, batch_size, batch_size)
-            medians = graph_benchmark.compare(
+            medians = graphmode_benchmark.compare(
                 {"executor_step": lambda: executor.step(batch), "raw_replay": raw.graph.replay}
             )
         finally:
             raw.reset()
-        graph_benchmark.extra_info["batch_size"] = batch_size
+        graphmode_benchmark.extra_info["batch_size"] = batch_size
         if medians is not None:
             ratio = medians["executor_step"] / medians["raw_replay"]
-            graph_benchmark.extra_info["executor_over_replay"] = ratio
+            graphmode_benchmark.extra_info["executor_over_replay"] = ratio
     finally:
         executor.close()

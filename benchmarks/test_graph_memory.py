@@ -112,7 +112,7 @@ def test_capture_sweep(
 
 @pytest.mark.parametrize("strategy", ["separate", "shared", "vmm"])
 def test_replay_latency_by_strategy(
-    graph_benchmark: GraphBenchmark,
+    graphmode_benchmark: GraphBenchmark,
     graphmode_backend: Any,
     decoder: Decoder,
     suite: Suite,
@@ -124,8 +124,8 @@ def test_replay_latency_by_strategy(
     try:
         executor.capture_all()
         batch = decode_batch(decoder.config, REPLAY_BATCH)
-        graph_benchmark.extra_info.update(strategy=strategy, batch_size=REPLAY_BATCH)
-        graph_benchmark.compare(
+        graphmode_benchmark.extra_info.update(strategy=strategy, batch_size=REPLAY_BATCH)
+        graphmode_benchmark.compare(
             {"executor_step": lambda: executor.step(batch)}, group="6 replay by memory strategy"
         )
     finally:

@@ -71,7 +71,7 @@ PEERS = {"compile_cudagraphs": _compiled, "graphed_callables": _graphed}
 
 
 def test_executor_vs_peers(
-    graph_benchmark: GraphBenchmark, graphmode_backend: Any, decoder: Decoder, batch_size: int
+    graphmode_benchmark: GraphBenchmark, graphmode_backend: Any, decoder: Decoder, batch_size: int
 ) -> None:
     if graphmode_backend.name != "cuda":
         pytest.skip("the peers (torch.compile cudagraphs, make_graphed_callables) need CUDA")
@@ -93,17 +93,17 @@ def test_executor_vs_peers(
                 warnings.warn(
                     f"peer {name} does not apply at bs {batch_size}: {error}", stacklevel=1
                 )
-                graph_benchmark.extra_info[f"{name}_error"] = f"{type(error).__name__}: {error}"
+                graphmode_benchmark.extra_info[f"{name}_error"] = f"{type(error).__name__}: {error}"
                 continue
             candidates[name] = run
         # A compiled function that cudagraphs skipped (e.g. for a mutated input) runs without
         # graphs; the count says whether the compile peer was graphed at all.
         skips = _cudagraph_skips() - skips_before
-        graph_benchmark.extra_info.update(batch_size=batch_size, compile_cudagraph_skips=skips)
-        medians = graph_benchmark.compare(candidates)
+        graphmode_benchmark.extra_info.update(batch_size=batch_size, compile_cudagraph_skips=skips)
+        medians = graphmode_benchmark.compare(candidates)
         if medians is not None:
             for name in candidates.keys() - {"executor_step"}:
                 ratio = medians["executor_step"] / medians[name]
-                graph_benchmark.extra_info[f"executor_over_{name}"] = ratio
+                graphmode_benchmark.extra_info[f"executor_over_{name}"] = ratio
     finally:
         executor.close()

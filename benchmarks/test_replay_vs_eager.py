@@ -30,7 +30,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def test_replay_vs_eager(
-    graph_benchmark: GraphBenchmark,
+    graphmode_benchmark: GraphBenchmark,
     graphmode_backend: Any,
     decoder: Decoder,
     phase: str,
@@ -46,8 +46,8 @@ def test_replay_vs_eager(
         try:
             check_same_step(graphmode_backend, run, graph)
             info = {"phase": phase, "batch_size": batch_size, "query_len": query_len}
-            graph_benchmark.extra_info.update(info)
-            graph_benchmark(eager=run, replay=graph.graph.replay)
+            graphmode_benchmark.extra_info.update(info)
+            graphmode_benchmark(eager=run, replay=graph.graph.replay)
         finally:
             graph.reset()  # return the graph's pool now, not when the collector gets to it
     finally:

@@ -13,7 +13,7 @@ from pytest_graphmode.runtime.model import Decoder
 
 
 def test_packed_copy_vs_copy_per_field(
-    graph_benchmark: GraphBenchmark, graphmode_backend: Any, decoder: Decoder, suite: Suite
+    graphmode_benchmark: GraphBenchmark, graphmode_backend: Any, decoder: Decoder, suite: Suite
 ) -> None:
     executor = make_executor(decoder, graphmode_backend, [max(suite.capture_schedule)])
     try:
@@ -37,8 +37,8 @@ def test_packed_copy_vs_copy_per_field(
         for name, target in device_fields.items():
             target.copy_(host_fields[name], non_blocking=True)
 
-    graph_benchmark.extra_info.update(staged_bytes=nbytes, fields=len(fields))
-    medians = graph_benchmark.compare({"packed_copy": packed, "copy_per_field": per_field})
+    graphmode_benchmark.extra_info.update(staged_bytes=nbytes, fields=len(fields))
+    medians = graphmode_benchmark.compare({"packed_copy": packed, "copy_per_field": per_field})
     if medians is not None:
         ratio = medians["copy_per_field"] / medians["packed_copy"]
-        graph_benchmark.extra_info["per_field_over_packed"] = ratio
+        graphmode_benchmark.extra_info["per_field_over_packed"] = ratio

@@ -1,7 +1,7 @@
-"""`graph_benchmark`: time eager and graph replay of the same step with pytest-benchmark.
+"""`graphmode_benchmark`: time eager and graph replay of the same step with pytest-benchmark.
 
-    def test_decode(graph_benchmark):
-        comparison = graph_benchmark(eager=run_step, replay=graph.replay)
+    def test_decode(graphmode_benchmark):
+        comparison = graphmode_benchmark(eager=run_step, replay=graph.replay)
         # comparison.speedup == eager median / replay median
 
 Each call adds one pytest-benchmark entry per candidate (`test_decode[eager]`,
@@ -19,7 +19,9 @@ explicit, so eager and replay run the same number of times, with no calibration 
 one of them more often than the other.
 
 pytest-benchmark switches itself off under xdist (and with `--benchmark-disable`): the candidates
-then run once each as a smoke test and the call returns None. Run benchmarks with `-p no:xdist`.
+then run once each as a smoke test, and the call still returns a `Comparison`, made from that one
+call each on the device clock; `enabled` is False, and its figures are no measurement. Run
+benchmarks with `-p no:xdist`.
 
 The fixture needs pytest-benchmark (`pip install pytest-graphmode[bench]`); this module imports
 neither torch nor pytest-benchmark at import time.
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from pytest_graphmode._benchmark_private import sibling_fixture, use_timer
 
 if TYPE_CHECKING:
     from pytest_graphmode.runtime.backends import Backend
@@ -100,7 +104,7 @@ def event_clock(backend: Backend) -> Callable[[], float]:
 
 
 class GraphBenchmark:
-    """The value of the `graph_benchmark` fixture; see the module docstring."""
+    """The value of the `graphmode_benchmark` fixture; see the module docstring."""
 
     def __init__(self, benchmark: Any, backend: Backend, node: pytest.Item) -> None:
         self._benchmark = benchmark
@@ -112,7 +116,8 @@ class GraphBenchmark:
 
     @property
     def enabled(self) -> bool:
-        """False under xdist or `--benchmark-disable`: candidates then run once, untimed."""
+        """False under xdist or `--benchmark-disable`: candidates then run once, and the figures
+        come from that one call."""
         return not self._benchmark.disabled
 
     def __call__(
@@ -122,12 +127,10 @@ class GraphBenchmark:
         replay: Step,
         timing: Timing | None = None,
         group: str | None = None,
-    ) -> Comparison | None:
+    ) -> Comparison:
         """Time `eager` and `replay` (each runs the same step: check they agree before timing),
         record both medians and the speedup in `extra_info`, and return them."""
         medians = self.compare({"eager": eager, "replay": replay}, timing=timing, group=group)
-        if medians is None:
-            return None
         comparison = Comparison(medians["eager"], medians["replay"])
         self.extra_info.update(
             eager_median_s=comparison.eager_median_s,
@@ -142,12 +145,13 @@ class GraphBenchmark:
         *,
         timing: Timing | None = None,
         group: str | None = None,
-    ) -> dict[str, float] | None:
+    ) -> dict[str, float]:
         """Time every candidate as its own entry `<test>[<name>]` in one group (default: the
-        test's name); return the median seconds per call by name, or None when disabled."""
+        test's name); return the median seconds per call by name (disabled: the seconds of the
+        one call each candidate made)."""
         if self._used:
             raise RuntimeError(
-                "graph_benchmark was already used in this test: time every candidate in one "
+                "graphmode_benchmark was already used in this test: time every candidate in one "
                 "call, or parametrize the test"
             )
         if not candidates:
@@ -161,40 +165,25 @@ class GraphBenchmark:
         clock = event_clock(self._backend)
         medians: dict[str, float] = {}
         for index, (name, step) in enumerate(candidates.items()):
-            fixture = self._benchmark if index == 0 else self._sibling()
+            fixture = (
+                self._benchmark if index == 0 else sibling_fixture(self._node, self.extra_info)
+            )
             self._label(fixture, name, group, clock)
+            started = clock()
             fixture.pedantic(
                 step,
                 rounds=timing.rounds,
                 iterations=timing.iterations,
                 warmup_rounds=timing.warmup_rounds,
             )
-            if fixture.stats is not None:
-                medians[name] = float(fixture.stats.stats.median)
-        if not self.enabled:
-            return None
+            # Disabled, pytest-benchmark calls the step once and keeps no statistics: that one
+            # call, on the device clock, is the figure.
+            medians[name] = (
+                clock() - started if fixture.stats is None else float(fixture.stats.stats.median)
+            )
         self.extra_info["timer"] = "cuda events" if self._backend.name == "cuda" else "sim events"
         self.extra_info["backend"] = self._backend.name
         return medians
-
-    def _sibling(self) -> Any:
-        """Another entry of the same test, made the way pytest-benchmark makes its fixture."""
-        from pytest_benchmark.fixture import BenchmarkFixture
-
-        session = self._node.config._benchmarksession  # type: ignore[attr-defined]
-        marker = self._node.get_closest_marker("benchmark")
-        # The marker's timer is replaced by the device clock anyway; its other options apply.
-        marked = {k: v for k, v in (marker.kwargs if marker else {}).items() if k != "timer"}
-        sibling = BenchmarkFixture(
-            self._node,
-            add_stats=session.benchmarks.append,
-            logger=session.logger,
-            warner=self._node.warn,
-            disabled=session.disabled,
-            **{**session.options, **marked},
-        )
-        sibling.extra_info = self.extra_info  # entries share the comparison's figures
-        return sibling
 
     def _label(self, fixture: Any, name: str, group: str, clock: Callable[[], float]) -> None:
         callspec = getattr(self._node, "callspec", None)
@@ -203,9 +192,8 @@ class GraphBenchmark:
         fixture.param = name if callspec is None else f"{callspec.id}-{name}"
         fixture.params = {**({} if callspec is None else callspec.params), "candidate": name}
         fixture.group = group
-        # pytest-benchmark fixes its timer when it makes the fixture (from --benchmark-timer);
-        # a call that only launches work needs the device clock instead.
-        fixture._timer = clock
+        # A call that only launches work needs the device clock, not a host timer.
+        use_timer(fixture, clock)
 
 
 def _with_param(name: str, param: str) -> str:
@@ -216,11 +204,11 @@ def _with_param(name: str, param: str) -> str:
 
 
 @pytest.fixture
-def graph_benchmark(
+def graphmode_benchmark(
     benchmark: Any, graphmode_backend: Backend, request: pytest.FixtureRequest
 ) -> GraphBenchmark:
     """Time eager and replay of the same step; see `pytest_graphmode.benchmark`."""
     node = request.node
     if not isinstance(node, pytest.Item):
-        raise TypeError("graph_benchmark is a function-scoped fixture of a test item")
+        raise TypeError("graphmode_benchmark is a function-scoped fixture of a test item")
     return GraphBenchmark(benchmark, graphmode_backend, node)

@@ -7,21 +7,20 @@ fixture is used.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import pytest
 
+from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import GraphTarget, TargetFactory
-from pytest_graphmode.loader import TargetError, check_target, load_factory
-from pytest_graphmode.plugin import PROFILES, resolve_backend, settings_of, summary_of
+from pytest_graphmode.loader import TargetError, check_target
 from pytest_graphmode.report import ProgressLine
+from pytest_graphmode.settings import hypothesis_settings, resolve_backend, settings_of, summary_of
 
 if TYPE_CHECKING:
     from hypothesis import settings as HypothesisSettings
 
-    from pytest_graphmode.fuzz import CampaignStats
     from pytest_graphmode.runtime.backends import Backend
 
 
@@ -30,34 +29,6 @@ class Twins(NamedTuple):
 
     graph: GraphTarget
     eager: GraphTarget
-
-
-def hypothesis_settings(profile: str, *, max_examples: int) -> HypothesisSettings:
-    """The `graphmode-<profile>` Hypothesis settings with this campaign's number of examples."""
-    from hypothesis import settings
-
-    return settings(hypothesis_profile(profile), max_examples=max_examples)
-
-
-def hypothesis_profile(profile: str) -> HypothesisSettings:
-    """The Hypothesis settings of `graphmode-<profile>`, registering all three profiles.
-
-    No per-example deadline: an example that captures graphs is legitimately slow. None of them is
-    derandomized: a campaign is reproducible through its seed, which the plugin always passes.
-    """
-    from hypothesis import HealthCheck, settings
-
-    for name, (examples, _steps) in PROFILES.items():
-        settings.register_profile(
-            f"graphmode-{name}",
-            max_examples=examples,
-            deadline=None,
-            derandomize=False,
-            database=None,  # a failure is reproduced from its replay snippet, not a local cache
-            report_multiple_bugs=False,
-            suppress_health_check=list(HealthCheck),
-        )
-    return settings.get_profile(f"graphmode-{profile}")
 
 
 class GraphmodeFuzz:
@@ -88,8 +59,9 @@ class GraphmodeFuzz:
         run = settings_of(self._config)
         examples = run.examples if max_examples is None else max_examples
         progress = self._progress_line(label)
+        stats = CampaignStats()
         try:
-            stats = run_campaign(
+            run_campaign(
                 factory,
                 backend=resolve_backend(backend) if backend else run.backend,
                 max_examples=examples,
@@ -97,18 +69,16 @@ class GraphmodeFuzz:
                 seed=run.seed if seed is None else seed,
                 features=features,
                 progress=lambda s: progress.update(s.examples, s.steps, len(s.failures)),
-                settings=settings or hypothesis_settings(run.profile, max_examples=examples),
+                settings=settings or hypothesis_settings(examples),
+                stats=stats,
             )
-        except GraphmodeFailure as exc:
-            summary = summary_of(self._config)
-            if exc.stats is None:
-                summary.add_failure(dataclasses.asdict(exc.failure))
-            else:
-                summary.add_campaign(exc.stats.to_json())
+        except (GraphmodeFailure, KeyboardInterrupt):
+            # What ran until the failure or Ctrl-C belongs in the summary and the report.
+            summary_of(self._config).add_campaign(stats)
             raise
         finally:
             progress.finish()
-        summary_of(self._config).add_campaign(stats.to_json())
+        summary_of(self._config).add_campaign(stats)
         return stats
 
     def _progress_line(self, label: str) -> ProgressLine:
@@ -144,7 +114,7 @@ def graphmode_backend(pytestconfig: pytest.Config) -> Backend:
 def graphmode_target_factory(pytestconfig: pytest.Config) -> TargetFactory:
     """The factory named by `--graphmode-target` (or ini `graphmode_target`)."""
     try:
-        return load_factory(settings_of(pytestconfig).target)
+        return settings_of(pytestconfig).factory
     except TargetError as exc:
         raise pytest.UsageError(f"--graphmode-target / graphmode_target: {exc}") from exc
 

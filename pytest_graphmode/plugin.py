@@ -7,80 +7,32 @@ projects that never fuzz anything. torch is imported only once `--graphmode-fuzz
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import subprocess
-import sys
 from collections.abc import Generator
-from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pytest_graphmode.loader import DEFAULT_TARGET, TargetError, load_factory
-from pytest_graphmode.report import SessionSummary, summary_lines, write_report
+from pytest_graphmode import fixtures
+from pytest_graphmode.campaign_stats import SessionSummary
+from pytest_graphmode.failure import GraphmodeFailure
+from pytest_graphmode.loader import TargetError
+from pytest_graphmode.report import summary_lines, write_report
+from pytest_graphmode.settings import (
+    OPTIONS,
+    SETTINGS_KEY,
+    SUMMARY_KEY,
+    WORKER_SEED,
+    GraphmodeSettings,
+    resolve,
+    settings_of,
+    summary_of,
+)
 
-BACKENDS = ("auto", "sim", "cuda")
-# (examples, steps per example) of each profile; --graphmode-examples/-steps override them.
-PROFILES = {"dev": (10, 8), "ci": (50, 12), "nightly": (500, 24)}
 BUILTIN_SUITE = Path(__file__).parent / "_builtin" / "suite.py"
 _WORKER_SUMMARY = "graphmode_summary"
-_WORKER_SEED = "graphmode_seed"
-
-# name -> (metavar, help); every `--graphmode-NAME` option has an ini twin `graphmode_NAME`.
-_OPTIONS: dict[str, tuple[str, str]] = {
-    "target": (
-        "MODULE:FACTORY",
-        f"runner under test (default {DEFAULT_TARGET})",
-    ),
-    "backend": ("{auto,sim,cuda}", "default auto: cuda when torch.cuda.is_available(), else sim"),
-    "examples": ("N", "examples per campaign (default from the profile)"),
-    "steps": ("N", "maximum steps per example (default from the profile)"),
-    "seed": ("N", "base seed of campaigns and targets (default random, shown in the header)"),
-    "report": ("PATH", "write the campaign report as JSON to PATH"),
-    "profile": ("{dev,ci,nightly}", "examples and steps per campaign (default dev)"),
-}
-
-
-@dataclass(frozen=True)
-class GraphmodeSettings:
-    """The resolved options of one run."""
-
-    fuzz: bool
-    target: str
-    backend_option: str
-    profile: str
-    examples: int
-    steps: int
-    seed: int
-    seed_given: bool
-    report: Path | None
-
-    @cached_property
-    def backend(self) -> str:
-        """`sim` or `cuda`; resolving `auto` imports torch, so only ask when there is work."""
-        return resolve_backend(self.backend_option)
-
-
-SETTINGS_KEY = pytest.StashKey[GraphmodeSettings]()
-SUMMARY_KEY = pytest.StashKey[SessionSummary]()
-
-
-def resolve_backend(option: str) -> str:
-    """`auto` -> `cuda` where torch sees a GPU, else `sim`; `sim` and `cuda` stay as they are."""
-    from pytest_graphmode.runtime.backends import resolve
-
-    return str(resolve(option))
-
-
-def settings_of(config: pytest.Config) -> GraphmodeSettings:
-    return config.stash[SETTINGS_KEY]
-
-
-def summary_of(config: pytest.Config) -> SessionSummary:
-    return config.stash[SUMMARY_KEY]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -91,7 +43,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="run the graph-mode fuzz campaign against the configured target",
     )
-    for name, (metavar, text) in _OPTIONS.items():
+    for name, (metavar, text) in OPTIONS.items():
         group.addoption(f"--graphmode-{name}", default=None, metavar=metavar, help=text)
         parser.addini(f"graphmode_{name}", f"{text} [--graphmode-{name}]", default="")
 
@@ -100,8 +52,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "graphmode_fuzz: a graph-mode fuzz test; runs only with --graphmode-fuzz"
     )
-    config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped where none is available")
-    settings = _resolve_settings(config)
+    config.addinivalue_line(
+        "markers", "graphmode_cuda: needs a CUDA GPU; skipped where none is available"
+    )
+    settings = resolve(config)
     config.stash[SETTINGS_KEY] = settings
     config.stash[SUMMARY_KEY] = SessionSummary()
     workerinput = getattr(config, "workerinput", None)
@@ -110,23 +64,19 @@ def pytest_configure(config: pytest.Config) -> None:
         _pin_worker_gpu(str(workerinput["workerid"]))
     if settings.fuzz:
         try:
-            load_factory(settings.target)
+            settings.factory  # noqa: B018 - imported now, so a bad target is a usage error
         except TargetError as exc:
             raise pytest.UsageError(f"--graphmode-target / graphmode_target: {exc}") from exc
         if settings.backend_option == "cuda":
             _require_cuda()
-    from pytest_graphmode import fixtures
-
     if not config.pluginmanager.is_registered(fixtures):
         config.pluginmanager.register(fixtures, "graphmode-fixtures")
     if config.pluginmanager.hasplugin("benchmark"):
-        # graph_benchmark builds on pytest-benchmark's fixture: offered only where it is installed.
+        # graphmode_benchmark builds on pytest-benchmark's fixture: offered where it is installed.
         from pytest_graphmode import benchmark
 
         if not config.pluginmanager.is_registered(benchmark):
             config.pluginmanager.register(benchmark, "graphmode-benchmark")
-    if settings.fuzz:
-        fixtures.hypothesis_profile(settings.profile)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
@@ -158,7 +108,7 @@ def pytest_collection_modifyitems(
         for item in items:
             if item.get_closest_marker("graphmode_fuzz"):
                 item.add_marker(off)
-    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    cuda_items = [item for item in items if item.get_closest_marker("graphmode_cuda")]
     if cuda_items and not _cuda_available():
         no_gpu = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
         for item in cuda_items:
@@ -170,10 +120,9 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    fuzz = sys.modules.get("pytest_graphmode.fuzz")  # loaded wherever a campaign could fail
-    if fuzz is not None and call.excinfo is not None and report.failed:
+    if call.excinfo is not None and report.failed:
         failure = call.excinfo.value
-        if isinstance(failure, fuzz.GraphmodeFailure):
+        if isinstance(failure, GraphmodeFailure):
             # The message already says what to act on (check, step, values, replay snippet);
             # the engine's traceback would only bury it.
             report.longrepr = str(failure)
@@ -183,7 +132,7 @@ def pytest_runtest_makereport(
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
     """xdist controller: every worker gets the same base seed."""
-    node.workerinput[_WORKER_SEED] = settings_of(node.config).seed
+    node.workerinput[WORKER_SEED] = settings_of(node.config).seed
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -204,7 +153,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     settings = settings_of(config)
     if settings.report is not None and (settings.fuzz or summary.campaigns):
         write_report(settings.report, summary, _run_facts(settings))
-    if summary.failures and session.exitstatus == pytest.ExitCode.OK:
+    if summary.stats.failures and session.exitstatus == pytest.ExitCode.OK:
         # A gate: a failed check fails the run even where a test swallowed the exception.
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -221,61 +170,6 @@ def pytest_terminal_summary(
         terminalreporter.write_line(line)
     if settings.report is not None:
         terminalreporter.write_line(f"report: {settings.report}")
-
-
-def _resolve_settings(config: pytest.Config) -> GraphmodeSettings:
-    raw = {name: _raw_option(config, name) for name in _OPTIONS}
-    backend = raw["backend"] or "auto"
-    if backend not in BACKENDS:
-        raise pytest.UsageError(
-            f"--graphmode-backend / graphmode_backend: {backend!r} is not one of {BACKENDS}"
-        )
-    profile = raw["profile"] or "dev"
-    if profile not in PROFILES:
-        raise pytest.UsageError(
-            f"--graphmode-profile / graphmode_profile: {profile!r} is not one of {tuple(PROFILES)}"
-        )
-    examples, steps = PROFILES[profile]
-    workerinput = getattr(config, "workerinput", None)
-    seed_given = raw["seed"] is not None
-    if workerinput is not None and _WORKER_SEED in workerinput:
-        seed = int(workerinput[_WORKER_SEED])
-    elif raw["seed"] is not None:
-        seed = _parse_int("seed", raw["seed"], minimum=0)
-    else:
-        seed = random.Random().getrandbits(32)
-    return GraphmodeSettings(
-        fuzz=bool(config.getoption("graphmode_fuzz")),
-        target=raw["target"] or DEFAULT_TARGET,
-        backend_option=backend,
-        profile=profile,
-        examples=examples if raw["examples"] is None else _parse_int("examples", raw["examples"]),
-        steps=steps if raw["steps"] is None else _parse_int("steps", raw["steps"]),
-        seed=seed,
-        seed_given=seed_given,
-        report=None if raw["report"] is None else Path(raw["report"]),
-    )
-
-
-def _raw_option(config: pytest.Config, name: str) -> str | None:
-    """The command line wins over the ini file; empty means unset."""
-    value = config.getoption(f"graphmode_{name}")
-    if value is None:
-        value = config.getini(f"graphmode_{name}")
-    text = str(value).strip()
-    return text or None
-
-
-def _parse_int(name: str, text: str, minimum: int = 1) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise pytest.UsageError(
-            f"--graphmode-{name} / graphmode_{name}: {text!r} is not an integer >= {minimum}"
-        )
-    return value
 
 
 def _run_facts(settings: GraphmodeSettings) -> dict[str, Any]:

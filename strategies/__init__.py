@@ -1,7 +1,7 @@
 """Hypothesis strategies for graph-mode fuzzing: the harness as scheduler.
 
 - `plans`: `StepPlan`, `Arrival`, `Stress`: a schedule's steps in abstract form.
-- `scheduler`: `Scheduler` and `compile_schedule`: block allocation and request lifecycles that
+- `scheduler`: `BlockScheduler` and `compile_schedule`: block allocation and request lifecycles that
   turn plans into legal `Batch`es.
 - `schedules`: `schedules(spec, max_steps)`, `step_plans(spec)`, `batch_lists(spec, max_steps)`
   and their parts, derived from a `TargetSpec`.

@@ -53,7 +53,7 @@ class Stress:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step in abstract form; `Scheduler.compile` makes it concrete.
+    """One step in abstract form; `BlockScheduler.compile` makes it concrete.
 
     `rows`: wanted number of requests (capped by what is ready and by the spec's limits).
     `finish` / `preempt`: indices into the live requests (modulo their count) to retire or to

@@ -1,6 +1,6 @@
 """The harness as scheduler: block allocation and request lifecycles.
 
-`Scheduler.compile` turns an abstract `StepPlan` into a concrete `Batch` that is legal for the
+`BlockScheduler.compile` turns an abstract `StepPlan` into a concrete `Batch` that is legal for the
 target's `TargetSpec`: every request's `block_ids` cover exactly `context_len + len(tokens)`
 positions, no block belongs to two requests, the null block is never handed out, and the spec's
 limits (`max_num_reqs`, `max_num_tokens`, `max_blocks_per_req`, `num_blocks`, `vocab_size`) hold.
@@ -71,7 +71,7 @@ class _Row:
     spec_drafts: int
 
 
-class Scheduler:
+class BlockScheduler:
     """Owns the requests and blocks of one schedule; deterministic for a given seed."""
 
     def __init__(self, spec: TargetSpec, seed: int = 0) -> None:
@@ -211,7 +211,7 @@ def compile_schedule(
     spec: TargetSpec, plans: Sequence[StepPlan], seed: int = 0
 ) -> list[Batch | Stress]:
     """The concrete event list of a schedule: each step's `Stress` (when active) then its batch."""
-    scheduler = Scheduler(spec, seed)
+    scheduler = BlockScheduler(spec, seed)
     events: list[Batch | Stress] = []
     for plan in plans:
         if plan.stress.active:

@@ -1,6 +1,6 @@
 """Stressors: what the harness does to a target between steps to provoke graph-mode bugs.
 
-Each one targets a bug class (BUG_CLASSES.md): poisoned static buffers expose stale inputs and
+Each one targets a bug class (docs/bug-classes.md): poisoned static buffers expose stale inputs and
 padding rows that are not reset (classes 1, 3); NaN in the null block exposes valid rows that read
 padding's sink (1); allocator churn exposes addresses that are not stable (6); delays and a reseeded
 stream scheduler expose missing stream/event waits (8). The functions take plain tensors and a

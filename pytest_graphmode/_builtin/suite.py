@@ -10,7 +10,7 @@ import pytest
 
 from pytest_graphmode.contract import TargetFactory
 from pytest_graphmode.fixtures import GraphmodeFuzz, Twins
-from pytest_graphmode.plugin import settings_of
+from pytest_graphmode.settings import settings_of
 
 pytestmark = pytest.mark.graphmode_fuzz
 

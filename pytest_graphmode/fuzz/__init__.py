@@ -5,22 +5,26 @@ collide.
 Public API (stable; the pytest plugin is built on it):
 
 - `run_campaign(factory, *, backend="sim", max_examples=50, max_steps=12, seed=None,
-  features=None, progress=None, settings=None) -> CampaignStats`: Hypothesis draws schedules of
-  legal batches and stressors; the first failure is shrunk to its smallest schedule and raised as
-  `GraphmodeFailure` (its `.stats` holds the statistics so far).
+  features=None, progress=None, settings=None, stats=None) -> CampaignStats`: Hypothesis draws
+  schedules of legal batches and stressors; the first failure is shrunk to its smallest schedule
+  and raised as `GraphmodeFailure` (its `.stats` holds the statistics so far). `stats` is counted
+  into as the campaign runs, so its caller keeps the counts of an interrupted campaign.
 - `replay(batches, *, factory, backend="sim", seed=0) -> CampaignStats`: re-run a concrete
   schedule (a list of `Batch`, optionally with `Stress` events) with every check; a failure's
   `replay_snippet` is such a call.
 - `CampaignStats`: examples, steps, buckets_hit, paths, fallback_reasons, checks_run, failures,
-  seconds; `merge(other)` (xdist aggregation) and `to_json()`.
+  seconds; `merge(other)` (xdist aggregation), `to_json()` and `from_json()`.
 - `Failure(check, step, message, seed, replay_snippet)`, and `GraphmodeFailure(AssertionError)`
   with `.failure` and `.stats`.
-- `CHECKS`: the check names, in the order they run within a step.
+
+`CampaignStats`, `Failure` and `GraphmodeFailure` live in torch-free modules and are exported from
+`pytest_graphmode` too.
+- `CHECKS`: the check names, in the order they run within a step (`registry.REGISTRY`).
 
 `factory` is a `TargetFactory`: `factory(mode, *, seed, backend) -> GraphTarget`. Every target
 made is closed, also when a check fails.
 
-How each bug class of BUG_CLASSES.md is provoked (before the arrow) and seen (after it):
+How each bug class of docs/bug-classes.md is provoked (before the arrow) and seen (after it):
 
 1. padding rows: poisoned static buffers holding live block/slot ids, a NaN null block
    -> kv_writes_confined, padding_inert
@@ -45,20 +49,10 @@ How each bug class of BUG_CLASSES.md is provoked (before the arrow) and seen (af
    -> replay_matches_eager, kv_writes_confined
 """
 
+from pytest_graphmode.campaign_stats import CampaignStats
+from pytest_graphmode.failure import Failure, GraphmodeFailure
 from pytest_graphmode.fuzz.campaign import run_campaign
-from pytest_graphmode.fuzz.failure import Failure, GraphmodeFailure
+from pytest_graphmode.fuzz.registry import CHECKS
 from pytest_graphmode.fuzz.replay import replay
-from pytest_graphmode.fuzz.stats import CampaignStats
-
-CHECKS = (
-    "kv_writes_confined",
-    "replay_matches_eager",
-    "padding_inert",
-    "states_match",
-    "results_stay_valid",
-    "address_views_disjoint",
-    "pool_within_bound",
-    "sampling_independent",
-)
 
 __all__ = ["CHECKS", "CampaignStats", "Failure", "GraphmodeFailure", "replay", "run_campaign"]

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pytest_graphmode.contract import AddressView
 from pytest_graphmode.fuzz.violation import Violation
 
+ADDRESS_VIEWS_DISJOINT = "address_views_disjoint"
+POOL_WITHIN_BOUND = "pool_within_bound"
 GRANULARITY = 2 << 20
 """Physical allocation granularity: 2 MiB, the CUDA VMM granularity (and a multiple of a page)."""
 
@@ -22,7 +24,7 @@ def address_views_disjoint(views: Sequence[AddressView]) -> list[Violation]:
             if other.graph_key != view.graph_key:
                 return [
                     Violation(
-                        "address_views_disjoint",
+                        ADDRESS_VIEWS_DISJOINT,
                         f"graphs {view.graph_key!r} and {other.graph_key!r} share virtual "
                         "addresses",
                         expected=f"disjoint from [{view.base:#x}, {view.end:#x})",
@@ -45,7 +47,7 @@ def pool_within_bound(
         if used > largest + granularity:
             return [
                 Violation(
-                    "pool_within_bound",
+                    POOL_WITHIN_BOUND,
                     f"physical pool {physical!r} spans {used} bytes for {len(members)} views; the "
                     f"largest graph needs {largest}: views should map the same physical memory",
                     expected=f"<= {largest + granularity} bytes",

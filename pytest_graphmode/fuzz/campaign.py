@@ -11,17 +11,19 @@ and a failing example re-runs through exactly the code path `replay` uses.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import hypothesis
-from hypothesis import HealthCheck, Phase
 from hypothesis import strategies as st
 
+from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import TargetFactory, TargetSpec
-from pytest_graphmode.fuzz.failure import GraphmodeFailure
-from pytest_graphmode.fuzz.machine import Lockstep
-from pytest_graphmode.fuzz.stats import CampaignStats
+from pytest_graphmode.failure import GraphmodeFailure
+from pytest_graphmode.fuzz.lockstep import Lockstep
+from pytest_graphmode.settings import hypothesis_settings
 from pytest_graphmode.strategies.plans import StepPlan
 from pytest_graphmode.strategies.scheduler import compile_schedule
 from pytest_graphmode.strategies.schedules import schedules
@@ -48,17 +50,25 @@ def _restricted(spec: TargetSpec, features: frozenset[str] | None) -> TargetSpec
     return dataclasses.replace(spec, features=frozenset(features))
 
 
-def default_settings(max_examples: int) -> hypothesis.settings:
-    return hypothesis.settings(
-        max_examples=max_examples,
-        deadline=None,  # the first steps of an example capture graphs: slow by design
-        database=None,  # a failure is reproduced from its replay snippet, not from a cache
-        report_multiple_bugs=False,
-        suppress_health_check=list(HealthCheck),
-        # no "explain": it re-runs hundreds of variants of the shrunk schedule, and the replay
-        # snippet already is the explanation
-        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-    )
+@contextmanager
+def _storage_outside_the_project() -> Iterator[None]:
+    """Point Hypothesis's storage directory at a temporary one for the campaign.
+
+    Database or not, Hypothesis caches the constants of every module of the working directory in
+    its storage directory (`.hypothesis/constants/` by default), so a campaign would leave a
+    `.hypothesis/` in the user's project. The user's own setting is put back afterwards: their
+    Hypothesis tests keep their storage.
+    """
+    from hypothesis import configuration
+
+    # None: not chosen yet; Hypothesis then chooses again (environment, working directory).
+    previous = vars(configuration).get("__hypothesis_home_directory")
+    with tempfile.TemporaryDirectory(prefix="graphmode-hypothesis-") as home:
+        configuration.set_hypothesis_home_dir(home)
+        try:
+            yield
+        finally:
+            configuration.set_hypothesis_home_dir(previous)
 
 
 def run_campaign(
@@ -71,16 +81,19 @@ def run_campaign(
     features: frozenset[str] | None = None,
     progress: Callable[[CampaignStats], None] | None = None,
     settings: hypothesis.settings | None = None,
+    stats: CampaignStats | None = None,
 ) -> CampaignStats:
     """Fuzz `factory`'s targets; return the statistics, or raise `GraphmodeFailure` (carrying
     them as `.stats`) for the first failure, shrunk to its smallest schedule.
 
     `features` restricts what the schedules use to a subset of the target's features. `settings`,
     when given, replaces the default Hypothesis settings entirely (`max_examples` is then
-    ignored). `seed` makes the campaign reproducible.
+    ignored). `seed` makes the campaign reproducible. `stats`, when given, is counted into as the
+    campaign runs, so a caller still holds every count when something else ends the campaign
+    (Ctrl-C: `KeyboardInterrupt` passes through unchanged).
     """
     spec = _restricted(target_spec(factory, backend), features)
-    stats = CampaignStats()
+    stats = CampaignStats() if stats is None else stats
     started = time.perf_counter()
 
     @hypothesis.given(plans=schedules(spec, max_steps), example_seed=st.integers(0, 2**31 - 1))
@@ -95,11 +108,12 @@ def run_campaign(
             if progress is not None:
                 progress(stats)
 
-    example = (settings or default_settings(max_examples))(example)
+    example = (settings or hypothesis_settings(max_examples))(example)
     if seed is not None:
         example = hypothesis.seed(seed)(example)
     try:
-        example()
+        with _storage_outside_the_project():
+            example()
     except GraphmodeFailure as failed:
         stats.failures.append(failed.failure)
         failed.stats = stats

@@ -16,6 +16,10 @@ from pytest_graphmode.fuzz.kv_checks import State, row_mask, slot_major, valid_s
 from pytest_graphmode.fuzz.tolerance import SAMPLED_AGREEMENT, row_tolerance, same_bits
 from pytest_graphmode.fuzz.violation import Violation, differences
 
+REPLAY_MATCHES_EAGER = "replay_matches_eager"
+PADDING_INERT = "padding_inert"
+RESULTS_STAY_VALID = "results_stay_valid"
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -38,7 +42,7 @@ def replay_matches_eager(
     batch: Batch, graph: Outcome, eager: Outcome, spec: TargetSpec
 ) -> list[Violation]:
     """Graph logits are finite and match eager within tolerance; tokens match where decidable."""
-    name = "replay_matches_eager"
+    name = REPLAY_MATCHES_EAGER
     if graph.error or eager.error:
         if graph.error and eager.error:
             detail = f"both twins raised on a legal batch; eager twin's error:\n{eager.error}"
@@ -137,7 +141,7 @@ def padding_inert(
 ) -> list[Violation]:
     """Valid rows and valid KV slots are bit-identical whether or not padding rows, static
     buffers and the null block were poisoned before the step."""
-    name = "padding_inert"
+    name = PADDING_INERT
     if poisoned.result is None or clean.result is None:
         if poisoned.error and not clean.error:
             return [
@@ -213,7 +217,7 @@ def results_stay_valid(
             row = int((~equal).reshape(equal.shape[0], -1).any(dim=1).nonzero()[0])
             return [
                 Violation(
-                    "results_stay_valid",
+                    RESULTS_STAY_VALID,
                     f"the {field} returned at step {kept_step} changed during the next step: the "
                     f"result aliases a buffer the runner reuses; return a copy",
                     row=row,

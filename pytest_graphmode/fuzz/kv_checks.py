@@ -13,6 +13,9 @@ from pytest_graphmode.fuzz.violation import Violation, differences
 
 State = Mapping[str, torch.Tensor]
 
+KV_WRITES_CONFINED = "kv_writes_confined"
+STATES_MATCH = "states_match"
+
 
 def valid_slots(batch: Batch, spec: TargetSpec) -> dict[int, int]:
     """Slot -> req_id for every position a step writes (context_len..seq_len-1 per request)."""
@@ -59,7 +62,7 @@ def kv_writes_confined(
             where = _owner_text(slot // spec.block_size, batch, spec)
             return [
                 Violation(
-                    "kv_writes_confined",
+                    KV_WRITES_CONFINED,
                     f"{twin} twin changed {key!r} at slot {slot} ({where}), which this step "
                     f"does not write",
                     slot=slot,
@@ -74,7 +77,7 @@ def states_match(
 ) -> list[Violation]:
     """The twins' states agree after the step (dtype tolerance; exact for integers). The null
     block is padding's sink and is not compared."""
-    name = "states_match"
+    name = STATES_MATCH
     if set(graph_after) != set(eager_after):
         return [
             Violation(

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, TargetFactory, batch_problems
-from pytest_graphmode.fuzz.failure import GraphmodeFailure
-from pytest_graphmode.fuzz.machine import Lockstep
-from pytest_graphmode.fuzz.stats import CampaignStats
+from pytest_graphmode.failure import GraphmodeFailure
+from pytest_graphmode.fuzz.lockstep import Lockstep
 from pytest_graphmode.strategies.plans import Stress
 
 
@@ -22,7 +22,8 @@ def replay(
     """Run `batches` (optionally interleaved with `Stress` events, which apply before the next
     batch) through the twins with every check; raise `GraphmodeFailure` like a campaign.
 
-    `seed` is the targets' seed and the poisoning seed: use the one a failure reports.
+    `seed` is the targets' seed, the poisoning seed and the seed of torch's global generator: use
+    the one a failure reports.
     Illegal batches are refused with the reasons before any step runs.
     """
     stats = CampaignStats(examples=1)

@@ -18,7 +18,7 @@ _RTOL = {
 
 SAMPLED_AGREEMENT = 1e-6
 """Largest |logit difference| / temperature at which two runs of a sampled row must draw the same
-token (see `sampling.py` for why this never cries wolf in practice)."""
+token (see `sampling_check.py` for why this never cries wolf in practice)."""
 
 
 def rtol(dtype: torch.dtype) -> float:

@@ -4,7 +4,7 @@ import torch
 from pytest_graphmode.runtime import backends
 
 
-@pytest.fixture(params=["sim", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.fixture(params=["sim", pytest.param("cuda", marks=pytest.mark.graphmode_cuda)])
 def be(request: pytest.FixtureRequest):
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("cuda backend: no CUDA GPU on this machine")

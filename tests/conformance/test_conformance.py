@@ -20,7 +20,7 @@ def _params() -> list[Any]:
     # Every cuda case before any sim case: creating the sim backend installs process-wide hooks.
     for backend in ("cuda", "sim"):
         for c in all_cases():
-            marks: list[Any] = [pytest.mark.cuda] if backend == "cuda" else []
+            marks: list[Any] = [pytest.mark.graphmode_cuda] if backend == "cuda" else []
             if backend == "sim" and c.pending:
                 marks.append(pytest.mark.xfail(strict=True, reason=c.pending))
             params.append(pytest.param(backend, c, marks=marks, id=f"{backend}-{c.name}"))

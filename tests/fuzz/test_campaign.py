@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import hypothesis
 import pytest
-from hypothesis import Phase
+import torch
+from hypothesis import Phase, configuration
 
 from pytest_graphmode.contract import Batch
-from pytest_graphmode.fuzz import CHECKS, GraphmodeFailure, run_campaign
+from pytest_graphmode.fuzz import CHECKS, CampaignStats, GraphmodeFailure, run_campaign
 from tests.fuzz import toy
 
 
@@ -51,6 +54,56 @@ def test_shrinking_leaves_a_single_step_of_batch_literals():
     exec(snippet.split("replay(events")[0], namespace)
     assert [type(e) for e in namespace["events"]] == [Batch]
     assert caught.value.failure.step == 0
+
+
+def test_a_failure_drawn_from_the_global_generator_replays_with_the_same_values():
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(toy.factory(["global_noise"]), max_examples=5, max_steps=3, seed=4)
+    failure = caught.value.failure
+    torch.rand(5)  # the global generator has moved on since the campaign
+    snippet = failure.replay_snippet.replace("make_target", "toy.factory(['global_noise'])")
+    with pytest.raises(GraphmodeFailure) as again:
+        exec(snippet, {"toy": toy})
+    assert "differs from eager" in failure.message
+    assert again.value.failure.message == failure.message
+
+
+def interrupted_after(graph_steps: int):
+    """The correct toy, whose graph-mode twins raise KeyboardInterrupt after `graph_steps` steps."""
+    taken = [0]
+
+    def make(mode: str, *, seed: int, backend: str) -> toy.ToyTarget:
+        target = toy.make_target(mode, seed=seed, backend=backend)
+        if mode == "graph":
+            step = target.step
+
+            def interrupted(batch: Batch):
+                taken[0] += 1
+                if taken[0] > graph_steps:
+                    raise KeyboardInterrupt
+                return step(batch)
+
+            target.step = interrupted  # type: ignore[method-assign]
+        return target
+
+    return make
+
+
+def test_an_interrupted_campaign_leaves_its_counts_in_the_stats_passed_in():
+    stats = CampaignStats()
+    with pytest.raises(KeyboardInterrupt):
+        run_campaign(interrupted_after(6), max_examples=20, max_steps=3, seed=1, stats=stats)
+    assert stats.steps == 3  # two graph-mode twins step per step
+    assert stats.checks_run["replay_matches_eager"] == 3 and stats.seconds > 0
+
+
+def test_a_campaign_puts_the_users_hypothesis_storage_back(tmp_path: Path):
+    configuration.set_hypothesis_home_dir(tmp_path / "mine")
+    try:
+        run_campaign(toy.make_target, max_examples=2, max_steps=2, seed=1)
+        assert configuration.storage_directory().path == tmp_path / "mine"
+    finally:
+        configuration.set_hypothesis_home_dir(None)
 
 
 def test_features_restrict_what_schedules_use():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pytest_graphmode.contract import AddressView, Batch, Request, StepResult, TargetSpec
-from pytest_graphmode.fuzz import addresses, checks, kv_checks, sampling
+from pytest_graphmode.fuzz import addresses, checks, kv_checks, sampling_check
 from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.violation import differences
 
@@ -169,21 +169,23 @@ def test_an_unchanged_kept_result_passes():
 
 def test_company_batch_holds_sampled_requests_reversed():
     two = Batch((*BATCH.requests, Request(9, (3,), 0, (0,), seed=1)))
-    assert [r.req_id for r in sampling.company_batch(two).requests] == [9, 8]
-    assert sampling.company_batch(Batch(BATCH.requests[:1])) is None
+    assert [r.req_id for r in sampling_check.company_batch(two).requests] == [9, 8]
+    assert sampling_check.company_batch(Batch(BATCH.requests[:1])) is None
 
 
 def test_sampled_token_that_depends_on_company_fails():
-    sub = sampling.company_batch(BATCH)
+    sub = sampling_check.company_batch(BATCH)
     company = Outcome(result([GOOD[1]], tokens=(2,)))
-    [v] = sampling.sampling_independent(sub, company, BATCH, Outcome(result(GOOD)), SPEC)
+    [v] = sampling_check.sampling_independent(sub, company, BATCH, Outcome(result(GOOD)), SPEC)
     assert (v.req_id, v.expected, v.actual) == (8, "1", "2")
 
 
 def test_sampled_token_that_ignores_company_passes():
-    sub = sampling.company_batch(BATCH)
+    sub = sampling_check.company_batch(BATCH)
     company = Outcome(result([GOOD[1]], tokens=(1,)))
-    assert sampling.sampling_independent(sub, company, BATCH, Outcome(result(GOOD)), SPEC) == []
+    assert (
+        sampling_check.sampling_independent(sub, company, BATCH, Outcome(result(GOOD)), SPEC) == []
+    )
 
 
 def view(key, base, size, offset=0):

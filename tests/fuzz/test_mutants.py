@@ -7,7 +7,7 @@ import pytest
 
 from pytest_graphmode.contract import Batch, Request
 from pytest_graphmode.fuzz import GraphmodeFailure, replay
-from pytest_graphmode.fuzz.failure import replay_snippet
+from pytest_graphmode.fuzz.snippet import replay_snippet
 from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
 from tests.fuzz import toy
@@ -32,6 +32,7 @@ EXPECTED = {
     "row_noise": "sampling_independent",
     "reads_scratch": "padding_inert",
     "drift": "replay_matches_eager",
+    "global_noise": "replay_matches_eager",
     "raises_at_3": "replay_matches_eager",
     "overlapping_views": "address_views_disjoint",
     "pool_growth": "pool_within_bound",

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pytest_graphmode.contract import Batch, batch_problems
 from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
-from pytest_graphmode.strategies.scheduler import BlockAllocator, Scheduler, compile_schedule
+from pytest_graphmode.strategies.scheduler import BlockAllocator, BlockScheduler, compile_schedule
 from pytest_graphmode.strategies.schedules import batch_lists, row_counts, schedules
 from tests.fuzz.toy import SPEC
 
@@ -55,7 +55,7 @@ def test_features_the_spec_lacks_are_never_drawn():
 
 
 def test_freed_blocks_are_reused_first():
-    scheduler = Scheduler(SPEC, seed=0)
+    scheduler = BlockScheduler(SPEC, seed=0)
     first = scheduler.compile(StepPlan("prefill", rows=1, arrivals=(Arrival(4),), chunk=4))
     freed = first.requests[0].block_ids
     second = scheduler.compile(StepPlan("prefill", rows=1, arrivals=(Arrival(4),), finish=(0,)))
@@ -81,7 +81,7 @@ def test_allocator_refuses_a_double_free():
 
 
 def test_spec_decode_steps_have_uniform_one_plus_k_queries():
-    scheduler = Scheduler(SPEC, seed=1)
+    scheduler = BlockScheduler(SPEC, seed=1)
     scheduler.compile(StepPlan("prefill", rows=3, arrivals=(Arrival(2),) * 3, chunk=2))
     batch = scheduler.compile(StepPlan("spec", rows=3, spec_k=2, accepted=1))
     assert batch.query_lens == (3, 3, 3)
@@ -89,7 +89,7 @@ def test_spec_decode_steps_have_uniform_one_plus_k_queries():
 
 
 def test_rejected_drafts_are_rewritten_by_the_next_step():
-    scheduler = Scheduler(SPEC, seed=1)
+    scheduler = BlockScheduler(SPEC, seed=1)
     scheduler.compile(StepPlan("prefill", rows=1, arrivals=(Arrival(2),), chunk=2))
     spec_step = scheduler.compile(StepPlan("spec", rows=1, spec_k=3, accepted=0))
     after = scheduler.compile(StepPlan("decode", rows=1))
@@ -97,7 +97,7 @@ def test_rejected_drafts_are_rewritten_by_the_next_step():
 
 
 def test_preempted_requests_recompute_from_an_empty_cache():
-    scheduler = Scheduler(SPEC, seed=1)
+    scheduler = BlockScheduler(SPEC, seed=1)
     scheduler.compile(StepPlan("prefill", rows=1, arrivals=(Arrival(3),), chunk=3))
     batch = scheduler.compile(StepPlan("prefill", rows=1, preempt=(0,), chunk=8))
     assert batch.requests[0].context_len == 0
@@ -105,7 +105,7 @@ def test_preempted_requests_recompute_from_an_empty_cache():
 
 
 def test_a_large_prefill_exceeds_the_largest_capture_size():
-    scheduler = Scheduler(SPEC, seed=1)
+    scheduler = BlockScheduler(SPEC, seed=1)
     batch = scheduler.compile(StepPlan("prefill", rows=1, arrivals=(Arrival(12),), chunk=16))
     assert batch.num_tokens > SPEC.capture_sizes[-1]
 

@@ -38,6 +38,7 @@ BUGS = frozenset(
         "row_noise",  # sampling noise indexed by row: depends on batch company
         "reads_scratch",  # valid rows read a static buffer no step rewrites
         "drift",  # graph logits off by 1%
+        "global_noise",  # graph logits get noise from torch's global generator
         "raises_at_3",  # graph mode raises for 3-request batches
         "overlapping_views",  # two graphs' virtual ranges overlap
         "pool_growth",  # each graph maps fresh physical memory
@@ -115,6 +116,8 @@ class ToyTarget:
             logits = logits + s["scratch"].nan_to_num(0.0, 0.0, 0.0).clamp(-1e-6, 1e-6)[:, None]
         if "drift" in self.bugs:
             logits = logits * 1.01
+        if "global_noise" in self.bugs:
+            logits = logits + torch.rand(logits.shape, dtype=logits.dtype)
         s["logits"].copy_(logits)
         n = batch.num_reqs
         out = s["logits"][:n] if "output_view" in self.bugs else s["logits"][:n].clone()

@@ -13,7 +13,7 @@ from .conftest import GRANULARITY
 SIZES = (1 << 10, 1 << 12, 1 << 14)  # elements; each capture's temporaries are 64x that
 
 
-@pytest.fixture(params=["sim", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.fixture(params=["sim", pytest.param("cuda", marks=pytest.mark.graphmode_cuda)])
 def backend(request):
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("cuda backend: no CUDA GPU on this machine")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hypothesis
 from hypothesis import Phase
 
-from pytest_graphmode.fuzz.campaign import default_settings
+from pytest_graphmode.settings import hypothesis_settings
 
 MAX_EXAMPLES = 50
 MAX_STEPS = 12
@@ -17,5 +17,5 @@ MAX_STEPS = 12
 
 def detection_settings(max_examples: int = MAX_EXAMPLES) -> hypothesis.settings:
     return hypothesis.settings(
-        default_settings(max_examples), phases=[Phase.explicit, Phase.reuse, Phase.generate]
+        hypothesis_settings(max_examples), phases=[Phase.explicit, Phase.reuse, Phase.generate]
     )

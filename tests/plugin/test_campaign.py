@@ -41,6 +41,36 @@ def test_hides_the_failure(graphmode_fuzz):
 """
 
 
+# The graph twin's 11th step raises KeyboardInterrupt, as Ctrl-C would: each step of a campaign
+# steps two graph-mode twins, so 5 steps have been counted by then.
+INTERRUPTED_TESTS = """
+import pytest
+from graphmode_toy import make_target
+
+graph_steps = [0]
+
+
+def make_interrupted_target(mode, *, seed, backend):
+    target = make_target(mode, seed=seed, backend=backend)
+    if mode == "graph":
+        step = target.step
+
+        def interrupted(batch):
+            graph_steps[0] += 1
+            if graph_steps[0] > 10:
+                raise KeyboardInterrupt
+            return step(batch)
+
+        target.step = interrupted
+    return target
+
+
+@pytest.mark.graphmode_fuzz
+def test_interrupted(graphmode_fuzz):
+    graphmode_fuzz(make_interrupted_target, max_examples=50, max_steps=3)
+"""
+
+
 @dataclass(frozen=True)
 class Run:
     ret: int
@@ -111,6 +141,10 @@ def test_passing_campaign_exits_zero_with_the_summary(passing_run: Run) -> None:
     )
 
 
+def test_a_campaign_leaves_no_hypothesis_directory_in_the_project(passing_run: Run) -> None:
+    assert not (passing_run.path / ".hypothesis").exists()
+
+
 def test_campaign_shows_a_live_progress_line(passing_run: Run) -> None:
     passing_run.fnmatch_lines(["*graphmode campaign: 2 examples, * steps, 0 failures so far*"])
 
@@ -173,6 +207,23 @@ def test_graphmode_fuzz_fixture_runs_a_campaign_with_options(own_tests_run: Run)
 def test_a_swallowed_failure_still_fails_the_run(own_tests_run: Run) -> None:
     own_tests_run.fnmatch_lines(["failures: 1", "*= 2 passed in *"])
     assert own_tests_run.ret == pytest.ExitCode.TESTS_FAILED
+
+
+def test_ctrl_c_keeps_every_step_counted_in_the_summary_and_the_report(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    run = run_project(
+        tmp_path_factory,
+        {"test_own.py": INTERRUPTED_TESTS},
+        f"--graphmode-target={TOY}",
+        "--graphmode-backend=sim",
+        "--graphmode-report=graphmode.json",
+    )
+    assert run.ret == pytest.ExitCode.INTERRUPTED
+    run.fnmatch_lines(["campaigns: 1  examples: *  steps: 5  time: *"])
+    report = json.loads((run.path / "graphmode.json").read_text())
+    assert (report["campaigns"], report["steps"]) == (1, 5)
+    assert report["checks_run"]["replay_matches_eager"] == 5
 
 
 def test_twins_share_a_seed_and_are_closed_afterwards(toy_project: pytest.Pytester) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hypothesis import Phase, settings
 from graphmode_toy import make_target
-from pytest_graphmode.plugin import settings_of
+from pytest_graphmode.settings import settings_of
 
 @pytest.mark.graphmode_fuzz
 def test_record_and_fuzz(graphmode_fuzz, pytestconfig, worker_id):

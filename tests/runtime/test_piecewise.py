@@ -27,7 +27,7 @@ TOKENS = 128
 MAX_REQS = 8
 
 
-@pytest.fixture(params=["sim", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.fixture(params=["sim", pytest.param("cuda", marks=pytest.mark.graphmode_cuda)])
 def be(request: pytest.FixtureRequest) -> Iterator[object]:
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("cuda backend: no CUDA GPU on this machine")

@@ -22,7 +22,7 @@ from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.tolerance import SAMPLED_AGREEMENT, row_tolerance
 from pytest_graphmode.fuzz.violation import Violation, differences
 
-NAME = "sampling_independent"
+SAMPLING_INDEPENDENT = "sampling_independent"
 
 
 def company_batch(batch: Batch) -> Batch | None:
@@ -39,7 +39,8 @@ def sampling_independent(
     if company.result is None:
         return [
             Violation(
-                NAME, f"the company twin raised on a sub-batch of a legal batch:\n{company.error}"
+                SAMPLING_INDEPENDENT,
+                f"the company twin raised on a sub-batch of a legal batch:\n{company.error}",
             )
         ]
     rows = {r.req_id: i for i, r in enumerate(batch.requests)}
@@ -58,7 +59,7 @@ def sampling_independent(
         if not gap <= float(tol[other]):
             return [
                 Violation(
-                    NAME,
+                    SAMPLING_INDEPENDENT,
                     f"logits depend on batch company {where}",
                     req_id=request.req_id,
                     row=row,
@@ -70,7 +71,7 @@ def sampling_independent(
         if gap <= SAMPLED_AGREEMENT * request.temperature and tokens[row] != reference[other]:
             return [
                 Violation(
-                    NAME,
+                    SAMPLING_INDEPENDENT,
                     f"sampled token (seed {request.seed}) depends on batch "
                     f"company, bucket or padding {where}",
                     req_id=request.req_id,

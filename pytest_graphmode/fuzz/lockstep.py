@@ -4,7 +4,7 @@ Twins, all made by the same factory with the same seed (hence the same weights a
 - `graph`: graph mode, poisoned before every step (static buffers, null block), stressed;
 - `eager`: eager mode, the reference; its null block is poisoned too;
 - `clean`: graph mode, never poisoned; `padding_inert` demands bit-identical valid rows;
-- `company`: eager mode, never poisoned, runs only the sampled requests (see `sampling.py`);
+- `company`: eager mode, never poisoned, runs only the sampled requests (see `sampling_check.py`);
   made only for targets with the "sampling" feature.
 Only the two graph twins capture graphs: capture dominates the cost of an example.
 """
@@ -13,23 +13,22 @@ from __future__ import annotations
 
 import random
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
 
+from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, GraphTarget, StepResult, TargetFactory, TargetSpec
-from pytest_graphmode.fuzz import addresses, checks, kv_checks, sampling
+from pytest_graphmode.failure import Failure, GraphmodeFailure
+from pytest_graphmode.fuzz import sampling_check
 from pytest_graphmode.fuzz.checks import Outcome
-from pytest_graphmode.fuzz.failure import Failure, GraphmodeFailure, replay_snippet
-from pytest_graphmode.fuzz.stats import CampaignStats
+from pytest_graphmode.fuzz.registry import REGISTRY, Evidence, Kept, State
+from pytest_graphmode.fuzz.snippet import replay_snippet
 from pytest_graphmode.fuzz.violation import Violation
 from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.strategies import stressors
 from pytest_graphmode.strategies.plans import Stress
-
-State = dict[str, torch.Tensor]
-_Kept = tuple[StepResult, tuple[torch.Tensor, torch.Tensor], int]
 
 
 def bucket_for(spec: TargetSpec, num_tokens: int) -> int:
@@ -56,6 +55,10 @@ class Lockstep:
     ) -> None:
         from pytest_graphmode.runtime import backends
 
+        # A runner that draws from torch's global generator (knowingly or not) must give the
+        # same values in a campaign and in the replay of its snippet: both start here, from the
+        # example's seed, before any target is made.
+        torch.manual_seed(seed)
         self.backend: Backend = backends.get(backend)
         self.backend.set_scheduler_seed(seed)
         self._factory, self._backend_name, self.seed, self.stats = factory, backend, seed, stats
@@ -88,7 +91,7 @@ class Lockstep:
         self._targets.clear()
 
     def run(self, events: Sequence[Batch | Stress]) -> None:
-        kept: list[_Kept] = []
+        kept: list[Kept] = []
         pending = Stress()
         previous: Batch | None = None
         step = 0
@@ -123,13 +126,12 @@ class Lockstep:
         return kept
 
     def _check_step(
-        self, step: int, batch: Batch, kept: list[_Kept]
-    ) -> tuple[list[Violation], list[_Kept]]:
-        spec = self.spec
+        self, step: int, batch: Batch, kept: list[Kept]
+    ) -> tuple[list[Violation], list[Kept]]:
         graph_before, eager_before = _snapshot(self.graph.state()), _snapshot(self.eager.state())
         graph, eager = _step(self.graph, batch), _step(self.eager, batch)
         clean = _step(self.clean, batch)
-        sub = sampling.company_batch(batch) if self.company else None
+        sub = sampling_check.company_batch(batch) if self.company else None
         company = _step(self.company, sub) if self.company and sub else None
         self._count(batch, graph.result)
         now = [
@@ -137,53 +139,31 @@ class Lockstep:
             for r in (graph.result, eager.result)
             if r is not None
         ]
-        if graph.error or eager.error:
-            self._ran("replay_matches_eager")
-            return checks.replay_matches_eager(batch, graph, eager, spec), now
-        graph_after, eager_after = _snapshot(self.graph.state()), _snapshot(self.eager.state())
-        clean_after = _snapshot(self.clean.state())
-        views = self.graph.address_views()
-        # A stray KV write is the root cause of most wrong logits: judge it first.
-        verdicts: list[tuple[str, Callable[[], list[Violation]]]] = [
-            (
-                "kv_writes_confined",
-                lambda: [
-                    *kv_checks.kv_writes_confined(batch, graph_before, graph_after, spec, "graph"),
-                    *kv_checks.kv_writes_confined(batch, eager_before, eager_after, spec, "eager"),
-                ],
-            ),
-            (
-                "replay_matches_eager",
-                lambda: checks.replay_matches_eager(batch, graph, eager, spec),
-            ),
-            (
-                "padding_inert",
-                lambda: checks.padding_inert(batch, graph, clean, graph_after, clean_after, spec),
-            ),
-            ("states_match", lambda: kv_checks.states_match(batch, graph_after, eager_after, spec)),
-            (
-                "results_stay_valid",
-                lambda: [v for r, snap, at in kept for v in checks.results_stay_valid(r, snap, at)],
-            ),
-            ("address_views_disjoint", lambda: addresses.address_views_disjoint(views)),
-            ("pool_within_bound", lambda: addresses.pool_within_bound(views)),
-        ]
-        if company is not None and sub is not None:
-            verdicts.append(
-                (
-                    sampling.NAME,
-                    lambda: sampling.sampling_independent(sub, company, batch, eager, spec),
-                )
-            )
-        for name, verdict in verdicts:
-            self._ran(name)
-            found = verdict()
+        raised = bool(graph.error or eager.error)
+        evidence = Evidence(
+            batch=batch,
+            spec=self.spec,
+            graph=graph,
+            eager=eager,
+            clean=clean,
+            graph_before=graph_before,
+            eager_before=eager_before,
+            graph_after={} if raised else _snapshot(self.graph.state()),
+            eager_after={} if raised else _snapshot(self.eager.state()),
+            clean_after={} if raised else _snapshot(self.clean.state()),
+            views=[] if raised else self.graph.address_views(),
+            kept=kept,
+            company_batch=sub,
+            company=company,
+        )
+        for check in REGISTRY:
+            if (raised and not check.judges_raising_twins) or not check.applies(evidence):
+                continue
+            self.stats.checks_run[check.name] += 1
+            found = check.judge(evidence)
             if found:
                 return found, now
         return [], now
-
-    def _ran(self, check: str) -> None:
-        self.stats.checks_run[check] += 1
 
     def _count(self, batch: Batch, result: StepResult | None) -> None:
         self.stats.steps += 1

@@ -1,4 +1,4 @@
-"""The `graph_benchmark` fixture: entries, extra_info, timing, and its error messages."""
+"""The `graphmode_benchmark` fixture: entries, extra_info, timing, and its error messages."""
 
 from __future__ import annotations
 
@@ -14,17 +14,17 @@ from .conftest import entries, run_benchmarks
 SLOW_EAGER = """
 import time
 
-def test_step(graph_benchmark):
-    graph_benchmark(eager=lambda: time.sleep(0.004), replay=lambda: time.sleep(0.001))
+def test_step(graphmode_benchmark):
+    graphmode_benchmark(eager=lambda: time.sleep(0.004), replay=lambda: time.sleep(0.001))
 """
 
 PARAMETRIZED = """
 import pytest
 
 @pytest.mark.parametrize("bs", [1, 8])
-def test_step(graph_benchmark, bs):
-    graph_benchmark.extra_info["batch_size"] = bs
-    graph_benchmark(eager=lambda: None, replay=lambda: None)
+def test_step(graphmode_benchmark, bs):
+    graphmode_benchmark.extra_info["batch_size"] = bs
+    graphmode_benchmark(eager=lambda: None, replay=lambda: None)
 """
 
 
@@ -80,9 +80,9 @@ def test_explicit_timing_sets_rounds_and_iterations(pytester: pytest.Pytester) -
     source = """
 from pytest_graphmode.benchmark import Timing
 
-def test_step(graph_benchmark):
+def test_step(graphmode_benchmark):
     timing = Timing(rounds=4, iterations=3, warmup_rounds=0)
-    graph_benchmark(eager=lambda: None, replay=lambda: None, timing=timing)
+    graphmode_benchmark(eager=lambda: None, replay=lambda: None, timing=timing)
 """
     run_benchmarks(pytester, source).assert_outcomes(passed=1)
     stats = entries(pytester)["test_step[eager]"]["stats"]
@@ -91,8 +91,8 @@ def test_step(graph_benchmark):
 
 def test_compare_names_one_entry_per_candidate(pytester: pytest.Pytester) -> None:
     source = """
-def test_step(graph_benchmark):
-    medians = graph_benchmark.compare({"a": lambda: None, "b": lambda: None, "c": lambda: None},
+def test_step(graphmode_benchmark):
+    medians = graphmode_benchmark.compare({"a": lambda: None, "b": lambda: None, "c": lambda: None},
                                       group="peers")
     assert sorted(medians) == ["a", "b", "c"]
 """
@@ -102,37 +102,43 @@ def test_step(graph_benchmark):
     assert {entry["group"] for entry in found.values()} == {"peers"}
 
 
-def test_disabled_benchmarks_run_each_candidate_once_and_return_none(
+def test_disabled_benchmarks_run_each_candidate_once_and_still_return_a_comparison(
     pytester: pytest.Pytester,
 ) -> None:
     source = """
+import time
+
 calls = []
 
-def test_step(graph_benchmark):
-    result = graph_benchmark(eager=lambda: calls.append("eager"),
-                             replay=lambda: calls.append("replay"))
-    assert result is None
-    assert not graph_benchmark.enabled
+def test_step(graphmode_benchmark):
+    def eager():
+        calls.append("eager")
+        time.sleep(0.002)
+
+    result = graphmode_benchmark(eager=eager, replay=lambda: calls.append("replay"))
+    assert not graphmode_benchmark.enabled
     assert calls == ["eager", "replay"]
+    assert result.eager_median_s >= 0.002 and result.replay_median_s > 0
+    assert result.speedup == result.eager_median_s / result.replay_median_s
 """
     result = run_benchmarks(pytester, source, "--benchmark-disable", write_json=False)
     result.assert_outcomes(passed=1)
 
 
-def test_benchmark_only_runs_graph_benchmark_tests(pytester: pytest.Pytester) -> None:
+def test_benchmark_only_runs_graphmode_benchmark_tests(pytester: pytest.Pytester) -> None:
     source = SLOW_EAGER + "\n\ndef test_plain():\n    pass\n"
     run_benchmarks(pytester, source, "--benchmark-only").assert_outcomes(passed=1, skipped=1)
 
 
 def test_a_second_use_in_one_test_is_refused(pytester: pytest.Pytester) -> None:
     source = """
-def test_step(graph_benchmark):
-    graph_benchmark(eager=lambda: None, replay=lambda: None)
-    graph_benchmark(eager=lambda: None, replay=lambda: None)
+def test_step(graphmode_benchmark):
+    graphmode_benchmark(eager=lambda: None, replay=lambda: None)
+    graphmode_benchmark(eager=lambda: None, replay=lambda: None)
 """
     result = run_benchmarks(pytester, source, write_json=False)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*graph_benchmark was already used in this test*"])
+    result.stdout.fnmatch_lines(["*graphmode_benchmark was already used in this test*"])
 
 
 @pytest.mark.parametrize("name", ["", "a[1]"])
@@ -140,8 +146,8 @@ def test_candidate_names_that_break_entry_names_are_refused(
     pytester: pytest.Pytester, name: str
 ) -> None:
     source = f"""
-def test_step(graph_benchmark):
-    graph_benchmark.compare({{{name!r}: lambda: None}})
+def test_step(graphmode_benchmark):
+    graphmode_benchmark.compare({{{name!r}: lambda: None}})
 """
     result = run_benchmarks(pytester, source, write_json=False)
     result.assert_outcomes(failed=1)

@@ -1,4 +1,4 @@
-"""CampaignStats: merging (xdist workers) and JSON export."""
+"""CampaignStats and Failure: merging (xdist workers) and their one JSON form."""
 
 from __future__ import annotations
 
@@ -44,6 +44,13 @@ def test_to_json_is_plain_json_with_string_bucket_keys():
     assert json.loads(json.dumps(data)) == data
     assert data["buckets_hit"] == {"4": 2}
     assert data["failures"][0]["check"] == "padding_inert"
+
+
+def test_stats_and_failures_survive_their_json_form():
+    original = stats(2, 8, [FAILURE])
+    copy = CampaignStats.from_json(json.loads(json.dumps(original.to_json())))
+    assert copy == original
+    assert Failure.from_json(FAILURE.to_json()) == FAILURE
 
 
 def test_a_failure_survives_pickling_with_its_stats():

@@ -1,37 +1,12 @@
-"""Failures: what a broken check reports, and the snippet that replays it."""
+"""The replay snippet of a failure: Python source that re-runs its shrunk schedule."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pytest_graphmode.contract import Batch
 from pytest_graphmode.strategies.plans import Stress
-
-if TYPE_CHECKING:
-    from pytest_graphmode.fuzz.stats import CampaignStats
-
-
-@dataclass(frozen=True)
-class Failure:
-    check: str
-    step: int
-    message: str
-    seed: int | None
-    replay_snippet: str
-
-
-class GraphmodeFailure(AssertionError):
-    """A check failed; `failure` says which and how to replay it, `stats` what ran until then."""
-
-    def __init__(self, failure: Failure, stats: CampaignStats | None = None) -> None:
-        super().__init__(failure.message)
-        self.failure = failure
-        self.stats = stats
-
-    def __reduce__(self) -> tuple[type[GraphmodeFailure], tuple[Failure, CampaignStats | None]]:
-        return (GraphmodeFailure, (self.failure, self.stats))  # crosses xdist worker boundaries
 
 
 def factory_reference(factory: Callable[..., Any]) -> tuple[str, str]:

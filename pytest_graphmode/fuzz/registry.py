@@ -1,0 +1,106 @@
+"""The checks of a step, in the order they run: the one list the lockstep driver loops over.
+
+A check's name is written once, in the module of its oracle; `CHECKS`, the statistics and the
+failure reports all take it from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pytest_graphmode.contract import AddressView, Batch, StepResult, TargetSpec
+from pytest_graphmode.fuzz import addresses, checks, kv_checks, sampling_check
+from pytest_graphmode.fuzz.checks import Outcome
+from pytest_graphmode.fuzz.kv_checks import State
+from pytest_graphmode.fuzz.violation import Violation
+
+Kept = tuple[StepResult, tuple[torch.Tensor, torch.Tensor], int]
+"""A result returned at an earlier step, clones of its logits and tokens then, and that step."""
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Everything one step left behind for the checks to judge.
+
+    When a twin raised, the states after the step and the address views are not read (a runner
+    that raised owes no consistent state): they are empty, and only the checks that judge raising
+    twins run.
+    """
+
+    batch: Batch
+    spec: TargetSpec
+    graph: Outcome
+    eager: Outcome
+    clean: Outcome
+    graph_before: State
+    eager_before: State
+    graph_after: State
+    eager_after: State
+    clean_after: State
+    views: Sequence[AddressView]
+    kept: Sequence[Kept]
+    company_batch: Batch | None
+    company: Outcome | None
+
+    @property
+    def twin_raised(self) -> bool:
+        return bool(self.graph.error or self.eager.error)
+
+
+@dataclass(frozen=True)
+class Check:
+    """A named oracle over a step's `Evidence`; `applies` says whether it has anything to judge."""
+
+    name: str
+    judge: Callable[[Evidence], list[Violation]]
+    judges_raising_twins: bool = False
+    applies: Callable[[Evidence], bool] = lambda evidence: True
+
+
+def _kv_writes_confined(e: Evidence) -> list[Violation]:
+    return [
+        *kv_checks.kv_writes_confined(e.batch, e.graph_before, e.graph_after, e.spec, "graph"),
+        *kv_checks.kv_writes_confined(e.batch, e.eager_before, e.eager_after, e.spec, "eager"),
+    ]
+
+
+def _sampling_independent(e: Evidence) -> list[Violation]:
+    assert e.company_batch is not None and e.company is not None  # see `applies`
+    return sampling_check.sampling_independent(e.company_batch, e.company, e.batch, e.eager, e.spec)
+
+
+REGISTRY: tuple[Check, ...] = (
+    # A stray KV write is the root cause of most wrong logits: judge it first.
+    Check(kv_checks.KV_WRITES_CONFINED, _kv_writes_confined),
+    Check(
+        checks.REPLAY_MATCHES_EAGER,
+        lambda e: checks.replay_matches_eager(e.batch, e.graph, e.eager, e.spec),
+        judges_raising_twins=True,
+    ),
+    Check(
+        checks.PADDING_INERT,
+        lambda e: checks.padding_inert(
+            e.batch, e.graph, e.clean, e.graph_after, e.clean_after, e.spec
+        ),
+    ),
+    Check(
+        kv_checks.STATES_MATCH,
+        lambda e: kv_checks.states_match(e.batch, e.graph_after, e.eager_after, e.spec),
+    ),
+    Check(
+        checks.RESULTS_STAY_VALID,
+        lambda e: [v for r, snap, at in e.kept for v in checks.results_stay_valid(r, snap, at)],
+    ),
+    Check(addresses.ADDRESS_VIEWS_DISJOINT, lambda e: addresses.address_views_disjoint(e.views)),
+    Check(addresses.POOL_WITHIN_BOUND, lambda e: addresses.pool_within_bound(e.views)),
+    Check(
+        sampling_check.SAMPLING_INDEPENDENT,
+        _sampling_independent,
+        applies=lambda e: e.company is not None and e.company_batch is not None,
+    ),
+)
+
+CHECKS: tuple[str, ...] = tuple(check.name for check in REGISTRY)

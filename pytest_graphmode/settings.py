@@ -1,0 +1,167 @@
+"""One home for a run's settings: the options, the profiles, where the plugin keeps its state, the
+target factory, and the Hypothesis settings of every campaign.
+
+The plugin, the fixtures, the built-in suite and `run_campaign` all read from here, so a setting
+has one meaning whichever path starts a campaign. Imports neither torch nor Hypothesis at module
+level: the plugin imports this module in every pytest run.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from pytest_graphmode.campaign_stats import SessionSummary
+from pytest_graphmode.contract import TargetFactory
+from pytest_graphmode.loader import DEFAULT_TARGET, load_factory
+
+if TYPE_CHECKING:
+    import hypothesis
+
+BACKENDS = ("auto", "sim", "cuda")
+# (examples, steps per example) of each profile; --graphmode-examples/-steps override them.
+PROFILES = {"dev": (10, 8), "ci": (50, 12), "nightly": (500, 24)}
+WORKER_SEED = "graphmode_seed"
+"""The xdist controller's base seed, handed to every worker in `workerinput`."""
+
+# name -> (metavar, help); every `--graphmode-NAME` option has an ini twin `graphmode_NAME`.
+OPTIONS: dict[str, tuple[str, str]] = {
+    "target": (
+        "MODULE:FACTORY",
+        f"runner under test (default {DEFAULT_TARGET})",
+    ),
+    "backend": ("{auto,sim,cuda}", "default auto: cuda when torch.cuda.is_available(), else sim"),
+    "examples": ("N", "examples per campaign (default from the profile)"),
+    "steps": ("N", "maximum steps per example (default from the profile)"),
+    "seed": ("N", "base seed of campaigns and targets (default random, shown in the header)"),
+    "report": ("PATH", "write the campaign report as JSON to PATH"),
+    "profile": ("{dev,ci,nightly}", "examples and steps per campaign (default dev)"),
+}
+
+
+@dataclass(frozen=True)
+class GraphmodeSettings:
+    """The resolved options of one run."""
+
+    fuzz: bool
+    target: str
+    backend_option: str
+    profile: str
+    examples: int
+    steps: int
+    seed: int
+    seed_given: bool
+    report: Path | None
+
+    @cached_property
+    def backend(self) -> str:
+        """`sim` or `cuda`; resolving `auto` imports torch, so only ask when there is work."""
+        return resolve_backend(self.backend_option)
+
+    @cached_property
+    def factory(self) -> TargetFactory:
+        """The target factory, imported once per run; raises `TargetError` when it cannot be."""
+        return load_factory(self.target)
+
+
+SETTINGS_KEY = pytest.StashKey[GraphmodeSettings]()
+SUMMARY_KEY = pytest.StashKey[SessionSummary]()
+
+
+def settings_of(config: pytest.Config) -> GraphmodeSettings:
+    """The run's settings (set when the plugin configures pytest)."""
+    return config.stash[SETTINGS_KEY]
+
+
+def summary_of(config: pytest.Config) -> SessionSummary:
+    """Every campaign of this process so far (on the xdist controller: of all workers)."""
+    return config.stash[SUMMARY_KEY]
+
+
+def resolve_backend(option: str) -> str:
+    """`auto` -> `cuda` where torch sees a GPU, else `sim`; `sim` and `cuda` stay as they are."""
+    from pytest_graphmode.runtime.backends import resolve
+
+    return str(resolve(option))
+
+
+def hypothesis_settings(max_examples: int) -> hypothesis.settings:
+    """The Hypothesis settings of every campaign, whichever way it is started.
+
+    No per-example deadline: the first steps of an example capture graphs, slow by design. Not
+    derandomized: a campaign is reproducible through its seed. No database: a failure is
+    reproduced from its replay snippet, not from a local cache. No `explain` phase: it re-runs
+    hundreds of variants of the shrunk schedule, and the replay snippet already is the explanation.
+    """
+    from hypothesis import HealthCheck, Phase, settings
+
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=False,
+        database=None,
+        report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+    )
+
+
+def resolve(config: pytest.Config) -> GraphmodeSettings:
+    """Read the run's options (command line over ini file); a bad value is a usage error."""
+    raw = {name: _raw_option(config, name) for name in OPTIONS}
+    backend = raw["backend"] or "auto"
+    if backend not in BACKENDS:
+        raise pytest.UsageError(
+            f"--graphmode-backend / graphmode_backend: {backend!r} is not one of {BACKENDS}"
+        )
+    profile = raw["profile"] or "dev"
+    if profile not in PROFILES:
+        raise pytest.UsageError(
+            f"--graphmode-profile / graphmode_profile: {profile!r} is not one of {tuple(PROFILES)}"
+        )
+    examples, steps = PROFILES[profile]
+    workerinput = getattr(config, "workerinput", None)
+    seed_given = raw["seed"] is not None
+    if workerinput is not None and WORKER_SEED in workerinput:
+        seed = int(workerinput[WORKER_SEED])
+    elif raw["seed"] is not None:
+        seed = _parse_int("seed", raw["seed"], minimum=0)
+    else:
+        seed = random.Random().getrandbits(32)
+    return GraphmodeSettings(
+        fuzz=bool(config.getoption("graphmode_fuzz")),
+        target=raw["target"] or DEFAULT_TARGET,
+        backend_option=backend,
+        profile=profile,
+        examples=examples if raw["examples"] is None else _parse_int("examples", raw["examples"]),
+        steps=steps if raw["steps"] is None else _parse_int("steps", raw["steps"]),
+        seed=seed,
+        seed_given=seed_given,
+        report=None if raw["report"] is None else Path(raw["report"]),
+    )
+
+
+def _raw_option(config: pytest.Config, name: str) -> str | None:
+    """The command line wins over the ini file; empty means unset."""
+    value = config.getoption(f"graphmode_{name}")
+    if value is None:
+        value = config.getini(f"graphmode_{name}")
+    text = str(value).strip()
+    return text or None
+
+
+def _parse_int(name: str, text: str, minimum: int = 1) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        raise pytest.UsageError(
+            f"--graphmode-{name} / graphmode_{name}: {text!r} is not an integer >= {minimum}"
+        )
+    return value
