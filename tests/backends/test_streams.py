@@ -144,3 +144,26 @@ def test_sim_resized_workspace_makes_replay_raise_use_after_free(sim):
     workspace.resize_(1 << 16)  # grows: the storage moves to a new address
     with pytest.raises(sim.UseAfterFreeError, match="reallocated"):
         g.replay()
+
+
+def test_sim_scheduler_keeps_no_queue_for_finished_captures(sim):
+    """A queue per stream ever used would make every later operation slower: only streams with
+    queued work may have one."""
+    x = torch.ones(4)
+    counter = torch.zeros(4)
+    for _ in range(300):
+        capture_stream = sim.Stream()
+        g = sim.Graph()
+        with sim.graph(g, stream=capture_stream):
+            y = x * 2
+        side = sim.Stream()
+        side.wait_stream(sim.current_stream())
+        with sim.stream(side):
+            counter.add_(1)  # queued on a stream that is dropped afterwards
+        g.replay()
+        sim.current_stream().wait_stream(side)
+        assert torch.equal(y, torch.full((4,), 2.0))
+        assert sim.scheduler.queue_count <= 2
+    assert torch.equal(counter, torch.full((4,), 300.0))
+    sim.synchronize()
+    assert sim.scheduler.queue_count == 0
