@@ -59,11 +59,23 @@ class CudaBackend:
         ctx = torch.cuda.graph(
             cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode
         )
-        ctx.__enter__()
+        # torch.cuda.graph switches streams on entry and back only after a successful
+        # capture_end: a failed capture would leave the process on the capture stream, and later
+        # eager work would silently run there. Every failure path restores this stream.
+        previous = torch.cuda.current_stream()
+        try:
+            ctx.__enter__()
+        except RuntimeError as exc:
+            torch.cuda.set_stream(previous)
+            error = capture_error_of(exc)
+            if error is None:
+                raise
+            raise error from exc
         try:
             yield cuda_graph
         except BaseException as exc:
             self._close_failed_capture(ctx, cuda_graph, pool, exc)
+            torch.cuda.set_stream(previous)
             error = capture_error_of(exc)
             if error is not None and error is not exc:
                 raise error from exc
@@ -72,6 +84,7 @@ class CudaBackend:
             ctx.__exit__(None, None, None)
         except RuntimeError as exc:
             _release_capture_pool(cuda_graph, pool)
+            torch.cuda.set_stream(previous)
             raise CaptureError(f"capture failed at capture_end: {exc}") from exc
 
     @staticmethod
