@@ -37,6 +37,19 @@ class CudaBackend:
         self.synchronize = torch.cuda.synchronize
         self.graph_pool_handle = torch.cuda.graph_pool_handle
 
+    # Nothing of torch is patched on a GPU: activation only exists to be symmetrical with sim.
+    is_active = True
+
+    def activate(self) -> None:
+        """No-op: the cuda backend changes nothing process-wide."""
+
+    def deactivate(self) -> None:
+        """No-op: the cuda backend changes nothing process-wide."""
+
+    @contextmanager
+    def active(self) -> Iterator[CudaBackend]:
+        yield self
+
     def set_scheduler_seed(self, seed: int) -> None:
         """Stream order on a GPU is the hardware's: nothing to seed (sim-only knob)."""
 
