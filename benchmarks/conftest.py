@@ -34,9 +34,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
-def graphmode_backend(pytestconfig: pytest.Config) -> Any:
-    """The benchmarks' backend (overrides the plugin's fixture to honour `GRAPHMODE_BACKEND`)."""
-    return backends.get(backend_name(pytestconfig))
+def graphmode_backend(pytestconfig: pytest.Config) -> Iterator[Any]:
+    """The benchmarks' backend (overrides the plugin's fixture to honour `GRAPHMODE_BACKEND`),
+    active for the session."""
+    with backends.get(backend_name(pytestconfig)).active() as backend:
+        yield backend
 
 
 @pytest.fixture(scope="session")

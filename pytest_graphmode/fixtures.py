@@ -103,11 +103,13 @@ class GraphmodeFuzz:
 
 
 @pytest.fixture(scope="session")
-def graphmode_backend(pytestconfig: pytest.Config) -> Backend:
-    """The backend object (`sim` or `cuda`) of `--graphmode-backend`."""
+def graphmode_backend(pytestconfig: pytest.Config) -> Iterator[Backend]:
+    """The backend object (`sim` or `cuda`) of `--graphmode-backend`, active (on sim: torch routed
+    through it) from the first test that requests it to the end of the session."""
     from pytest_graphmode.runtime import backends
 
-    return backends.get(settings_of(pytestconfig).backend)
+    with backends.get(settings_of(pytestconfig).backend).active() as backend:
+        yield backend
 
 
 @pytest.fixture(scope="session")

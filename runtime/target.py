@@ -61,17 +61,25 @@ class RuntimeTarget:
             features=frozenset(features),
             null_block=config.null_block,
         )
-        self.decoder = Decoder(config, seed=seed, device=backend.device)
-        self.executor = GraphExecutor(
-            self.decoder,
-            backend,
-            capture_sizes=capture_sizes if mode == "graph" else (),
-            max_query_len=max_query_len,
-            memory=memory,
-            piecewise=piecewise and mode == "graph",
-            max_num_reqs=max_num_reqs,
-            max_num_tokens=max_num_tokens,
-        )
+        # The backend is active (on sim: torch is routed through it) from here until close().
+        self.backend = backend
+        self._closed = False
+        backend.activate()
+        try:
+            self.decoder = Decoder(config, seed=seed, device=backend.device)
+            self.executor = GraphExecutor(
+                self.decoder,
+                backend,
+                capture_sizes=capture_sizes if mode == "graph" else (),
+                max_query_len=max_query_len,
+                memory=memory,
+                piecewise=piecewise and mode == "graph",
+                max_num_reqs=max_num_reqs,
+                max_num_tokens=max_num_tokens,
+            )
+        except BaseException:
+            backend.deactivate()
+            raise
 
     def step(self, batch: Batch) -> StepResult:
         return self.executor.step(batch)
@@ -97,7 +105,13 @@ class RuntimeTarget:
         self.executor.invalidate(f"weights replaced by seed {seed}")
 
     def close(self) -> None:
-        self.executor.close()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.executor.close()
+        finally:
+            self.backend.deactivate()
 
 
 def make_target(

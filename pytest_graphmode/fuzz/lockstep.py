@@ -61,6 +61,8 @@ class Lockstep:
         torch.manual_seed(seed)
         self.backend: Backend = backends.get(backend)
         self.backend.set_scheduler_seed(seed)
+        self.backend.activate()  # for the twins' life: close() deactivates
+        self._activated = True
         self._factory, self._backend_name, self.seed, self.stats = factory, backend, seed, stats
         self._targets: list[GraphTarget] = []
         try:
@@ -89,6 +91,9 @@ class Lockstep:
         for target in self._targets:
             target.close()
         self._targets.clear()
+        if self._activated:
+            self._activated = False
+            self.backend.deactivate()
 
     def run(self, events: Sequence[Batch | Stress]) -> None:
         kept: list[Kept] = []

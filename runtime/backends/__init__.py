@@ -4,7 +4,10 @@ A runner written against a backend runs unchanged on both. `get("auto")` picks c
 present. The surface (names and semantics as in torch.cuda): `Graph`, `graph(g, pool=, stream=)`,
 `graph_pool_handle()`, `Stream`, `Event`, `stream(s)`, `current_stream()`, `default_stream()`,
 `synchronize()`, `empty_pinned(size, dtype=)`, `device`, `name`, `CaptureError`,
-`UseAfterFreeError` and `set_scheduler_seed(seed)` (orders independent streams on sim; no-op on cuda).
+`UseAfterFreeError`, `set_scheduler_seed(seed)` (orders independent streams on sim; no-op on cuda),
+and `active()` / `activate()` / `deactivate()` / `is_active`: a backend changes nothing in the process
+until activated (on sim: torch is routed through its dispatch mode while any activation is open, and
+restored exactly when the last ends; no-ops on cuda). Targets and the harness activate it themselves.
 `Backend` is that surface as a typed protocol: annotate a runner's backend with it.
 """
 

@@ -37,6 +37,19 @@ class CudaBackend:
         self.synchronize = torch.cuda.synchronize
         self.graph_pool_handle = torch.cuda.graph_pool_handle
 
+    # Nothing of torch is patched on a GPU: activation only exists to be symmetrical with sim.
+    is_active = True
+
+    def activate(self) -> None:
+        """No-op: the cuda backend changes nothing process-wide."""
+
+    def deactivate(self) -> None:
+        """No-op: the cuda backend changes nothing process-wide."""
+
+    @contextmanager
+    def active(self) -> Iterator[CudaBackend]:
+        yield self
+
     def set_scheduler_seed(self, seed: int) -> None:
         """Stream order on a GPU is the hardware's: nothing to seed (sim-only knob)."""
 
@@ -59,11 +72,23 @@ class CudaBackend:
         ctx = torch.cuda.graph(
             cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode
         )
-        ctx.__enter__()
+        # torch.cuda.graph switches streams on entry and back only after a successful
+        # capture_end: a failed capture would leave the process on the capture stream, and later
+        # eager work would silently run there. Every failure path restores this stream.
+        previous = torch.cuda.current_stream()
+        try:
+            ctx.__enter__()
+        except RuntimeError as exc:
+            torch.cuda.set_stream(previous)
+            error = capture_error_of(exc)
+            if error is None:
+                raise
+            raise error from exc
         try:
             yield cuda_graph
         except BaseException as exc:
             self._close_failed_capture(ctx, cuda_graph, pool, exc)
+            torch.cuda.set_stream(previous)
             error = capture_error_of(exc)
             if error is not None and error is not exc:
                 raise error from exc
@@ -72,6 +97,7 @@ class CudaBackend:
             ctx.__exit__(None, None, None)
         except RuntimeError as exc:
             _release_capture_pool(cuda_graph, pool)
+            torch.cuda.set_stream(previous)
             raise CaptureError(f"capture failed at capture_end: {exc}") from exc
 
     @staticmethod

@@ -103,6 +103,17 @@ class Backend(Protocol):
 
     def set_scheduler_seed(self, seed: int) -> None: ...
 
+    # A backend changes nothing process-wide until activated (sim: torch is routed through it while
+    # any activation is open); activations nest. No-ops on cuda.
+    @property
+    def is_active(self) -> bool: ...
+
+    def activate(self) -> None: ...
+
+    def deactivate(self) -> None: ...
+
+    def active(self) -> AbstractContextManager[Any]: ...
+
 
 if TYPE_CHECKING:  # mypy checks that both backends are Backends; nothing runs at import
     from pytest_graphmode.runtime.backends.cuda import CudaBackend

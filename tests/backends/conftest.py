@@ -10,13 +10,15 @@ def be(request: pytest.FixtureRequest):
         pytest.skip("cuda backend: no CUDA GPU on this machine")
     backend = backends.get(request.param)
     backend.set_scheduler_seed(0)
-    yield backend
-    backend.synchronize()
+    with backend.active():
+        yield backend
+        backend.synchronize()
 
 
 @pytest.fixture
 def sim():
     backend = backends.get("sim")
-    backend.synchronize()
-    yield backend
-    backend.synchronize()
+    with backend.active():
+        backend.synchronize()
+        yield backend
+        backend.synchronize()

@@ -62,3 +62,39 @@ def test_sim_capture_on_default_stream_is_refused(sim):
     g = sim.Graph()
     with pytest.raises(sim.CaptureError, match="non-default stream"):
         g.capture_begin()
+
+
+def _event_query(be, x):
+    done = be.Event()
+    done.record()
+    done.query()
+
+
+@pytest.mark.parametrize("illegal", [_item, _nonzero, _synchronize, _event_query])
+def test_failed_capture_restores_the_current_stream(be, illegal):
+    """Eager work after a failed capture must not silently run on the capture stream."""
+    before = be.current_stream()
+    x = torch.ones(4, device=be.device)
+    with pytest.raises(be.CaptureError), be.graph(be.Graph()):
+        illegal(be, x * 2)
+    assert be.current_stream() == before
+
+
+def test_capture_failing_at_its_end_restores_the_current_stream(be):
+    before = be.current_stream()
+    side = be.Stream()
+    x = torch.ones(4, device=be.device)
+    with pytest.raises(be.CaptureError), be.graph(be.Graph()):
+        side.wait_stream(be.current_stream())
+        with be.stream(side):
+            x.mul(2)  # forked and never joined back: capture_end fails
+    assert be.current_stream() == before
+
+
+def test_capture_on_the_default_stream_raises_capture_error(be):
+    """One promise on both backends: a CaptureError, which is also a RuntimeError."""
+    before = be.current_stream()
+    with pytest.raises(be.CaptureError), be.graph(be.Graph(), stream=be.default_stream()):
+        pass
+    assert issubclass(be.CaptureError, RuntimeError)
+    assert be.current_stream() == before

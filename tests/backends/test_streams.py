@@ -110,7 +110,7 @@ def test_sim_work_on_a_stream_outside_the_capture_is_missing_from_replay(sim):
     with sim.graph(g):
         y = x * 2
         with sim.stream(outsider):  # never forked into the capture: runs now, is not recorded
-            side_result.copy_(x * 7)
+            side_result.copy_(x).mul_(7)
     assert torch.equal(side_result, torch.full((4,), 7.0))
     side_result.zero_()
     x.fill_(2.0)
@@ -144,3 +144,68 @@ def test_sim_resized_workspace_makes_replay_raise_use_after_free(sim):
     workspace.resize_(1 << 16)  # grows: the storage moves to a new address
     with pytest.raises(sim.UseAfterFreeError, match="reallocated"):
         g.replay()
+
+
+def test_sim_scheduler_keeps_no_queue_for_finished_captures(sim):
+    """A queue per stream ever used would make every later operation slower: only streams with
+    queued work may have one."""
+    x = torch.ones(4)
+    counter = torch.zeros(4)
+    for _ in range(300):
+        capture_stream = sim.Stream()
+        g = sim.Graph()
+        with sim.graph(g, stream=capture_stream):
+            y = x * 2
+        side = sim.Stream()
+        side.wait_stream(sim.current_stream())
+        with sim.stream(side):
+            counter.add_(1)  # queued on a stream that is dropped afterwards
+        g.replay()
+        sim.current_stream().wait_stream(side)
+        assert torch.equal(y, torch.full((4,), 2.0))
+        assert sim.scheduler.queue_count <= 2
+    assert torch.equal(counter, torch.full((4,), 300.0))
+    sim.synchronize()
+    assert sim.scheduler.queue_count == 0
+
+
+def _replay_reading_pinned(sim, seed: int, overwrite_after_replay: bool) -> torch.Tensor:
+    sim.set_scheduler_seed(seed)
+    staging = sim.empty_pinned(4)
+    staging.fill_(1.0)
+    static_in = torch.zeros(4)
+    g = sim.Graph()
+    with sim.graph(g):
+        static_in.copy_(staging, non_blocking=True)
+        out = static_in * 10
+    g.replay()
+    if overwrite_after_replay:
+        staging.fill_(2.0)  # the host moves on before the replay has run
+    sim.synchronize()
+    return out.clone()
+
+
+def test_sim_replay_is_asynchronous_so_a_pinned_source_overwritten_after_it_races(sim):
+    results = {_replay_reading_pinned(sim, s, True)[0].item() for s in range(50)}
+    assert results == {10.0, 20.0}
+
+
+def test_sim_replay_sees_the_pinned_source_it_was_launched_with_after_a_sync(sim):
+    assert all(_replay_reading_pinned(sim, s, False)[0].item() == 10.0 for s in range(50))
+
+
+def test_sim_device_to_host_copy_of_a_replay_is_stale_before_a_sync(sim):
+    results = set()
+    for seed in range(50):
+        sim.set_scheduler_seed(seed)
+        static_in = torch.zeros(4)
+        readback = sim.empty_pinned(4)
+        readback.zero_()
+        g = sim.Graph()
+        with sim.graph(g):
+            readback.copy_(static_in + 5, non_blocking=True)
+        g.replay()
+        results.add(readback.tolist()[0])  # a host read of host memory: no sync
+        sim.synchronize()
+        assert readback.tolist()[0] == 5.0
+    assert results == {0.0, 5.0}

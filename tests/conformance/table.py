@@ -23,18 +23,20 @@ def measure(names: list[str], cases: list[Case]) -> dict[str, dict[str, Result]]
     """backend name -> case name -> result."""
     results: dict[str, dict[str, Result]] = {}
     for name in names:
-        be = backends.get(name)
-        settle(be)
-        results[name] = {}
-        for c in cases:
-            start = time.perf_counter()
-            try:
-                results[name][c.name] = outcome_of(be, c)
-            except Exception as exc:  # settling the device afterwards failed: keep going
-                results[name][c.name] = Result(f"crashed ({type(exc).__name__})", str(exc)[:200])
-            elapsed = time.perf_counter() - start
-            if elapsed > 1.0:
-                print(f"slow: {c.name} on {name} took {elapsed:.1f} s", file=sys.stderr)
+        with backends.get(name).active() as be:
+            settle(be)
+            results[name] = {}
+            for c in cases:
+                start = time.perf_counter()
+                try:
+                    results[name][c.name] = outcome_of(be, c)
+                except Exception as exc:  # settling the device afterwards failed: keep going
+                    results[name][c.name] = Result(
+                        f"crashed ({type(exc).__name__})", str(exc)[:200]
+                    )
+                elapsed = time.perf_counter() - start
+                if elapsed > 1.0:
+                    print(f"slow: {c.name} on {name} took {elapsed:.1f} s", file=sys.stderr)
     return results
 
 

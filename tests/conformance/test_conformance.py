@@ -17,7 +17,6 @@ from tests.conformance.catalog import all_cases
 
 def _params() -> list[Any]:
     params = []
-    # Every cuda case before any sim case: creating the sim backend installs process-wide hooks.
     for backend in ("cuda", "sim"):
         for c in all_cases():
             marks: list[Any] = [pytest.mark.graphmode_cuda] if backend == "cuda" else []
@@ -29,9 +28,9 @@ def _params() -> list[Any]:
 
 @pytest.mark.parametrize(("backend", "conformance_case"), _params())
 def test_case_shows_the_cuda_outcome(backend: str, conformance_case: Case) -> None:
-    be = backends.get(backend)
-    settle(be)
-    result = outcome_of(be, conformance_case)
+    with backends.get(backend).active() as be:
+        settle(be)
+        result = outcome_of(be, conformance_case)
     expected = conformance_case.expected(backend)
     assert result.outcome == expected, (
         f"{conformance_case.name} on {backend}: {result.outcome!r}, expected {expected!r}"

@@ -17,10 +17,10 @@ SIZES = (1 << 10, 1 << 12, 1 << 14)  # elements; each capture's temporaries are 
 def backend(request):
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("cuda backend: no CUDA GPU on this machine")
-    backend = backends.get(request.param)
-    backend.synchronize()
-    yield backend
-    backend.synchronize()
+    with backends.get(request.param).active() as backend:
+        backend.synchronize()
+        yield backend
+        backend.synchronize()
 
 
 def _memory(strategy, backend):

@@ -1,5 +1,7 @@
 """A step captured on the sim backend replays any other batch of the same row counts like eager."""
 
+from typing import Any
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -19,7 +21,13 @@ NUM_REQS = 6
 def test_replay_of_a_captured_step_equals_eager(
     captured: Scenario, replayed: Scenario, use_adapters: bool
 ) -> None:
-    sim = backends.get("sim")
+    with backends.get("sim").active() as sim:
+        _check_replay_equals_eager(sim, captured, replayed, use_adapters)
+
+
+def _check_replay_equals_eager(
+    sim: Any, captured: Scenario, replayed: Scenario, use_adapters: bool
+) -> None:
     decoder = fresh_decoder()
     num_tokens = max(captured.num_tokens, replayed.num_tokens) + 1
     fresh = prepare(

@@ -7,6 +7,7 @@ import torch
 
 from pytest_graphmode.contract import Batch, Request
 from pytest_graphmode.fuzz import run_campaign
+from pytest_graphmode.runtime.backends import get as get_backend
 from tests.runners.minimal import SPEC, MinimalRunner, make_target
 
 NULL = slice(SPEC.null_block * SPEC.block_size, (SPEC.null_block + 1) * SPEC.block_size)
@@ -28,15 +29,16 @@ DECODE = Batch(
 
 @pytest.fixture
 def twins() -> Iterator[tuple[MinimalRunner, MinimalRunner]]:
-    graph, eager = (
-        make_target("graph", seed=3, backend="sim"),
-        make_target("eager", seed=3, backend="sim"),
-    )
-    for target in (graph, eager):
-        target.step(PROMPTS)
-    yield graph, eager
-    graph.close()
-    eager.close()
+    with get_backend("sim").active():
+        graph, eager = (
+            make_target("graph", seed=3, backend="sim"),
+            make_target("eager", seed=3, backend="sim"),
+        )
+        for target in (graph, eager):
+            target.step(PROMPTS)
+        yield graph, eager
+        graph.close()
+        eager.close()
 
 
 def test_decode_batch_replays_the_padded_capture_size(

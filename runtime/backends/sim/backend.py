@@ -1,9 +1,12 @@
 """The sim backend: torch.cuda's graph and stream API on the CPU, with CUDA's failure modes.
 
-Every ATen operation of the process passes through one dispatch mode, installed when the backend is
-first created. Outside a capture, operations on the default stream run at once (after the work queued
+While the backend is active (`with backend.active():`, or `activate()` / `deactivate()`, counted so
+that nested users compose), every ATen operation of the process passes through one dispatch mode and
+`Tensor.tolist` is a host read; when the last user deactivates it, torch is restored exactly. Outside
+a capture, operations on the default stream run at once (after the work queued
 before them on that stream); work on other streams and `non_blocking` copies to or from pinned memory
-are queued and run by the seeded scheduler. Inside a capture, operations on the capturing streams are
+are queued and run by the seeded scheduler, and so is every graph replay, even on the default stream
+(replay is asynchronous, as on a GPU). Inside a capture, operations on the capturing streams are
 recorded, not computed. Host-side operations on pinned memory always run at once, as host code does.
 """
 
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
 from pytest_graphmode.runtime.backends.sim import ops
@@ -33,6 +36,7 @@ from pytest_graphmode.runtime.backends.sim.streams import (
 )
 
 _BACKEND: SimBackend | None = None
+_ERROR_MODES = ("global", "thread_local", "relaxed")
 
 
 def current_backend() -> SimBackend:
@@ -56,6 +60,10 @@ class _Active:
     graph: SimGraph
     capture: Capture
     origin: SimStream
+    # the global generator's seed at capture_begin: CUDA refuses manual_seed(other) in a capture
+    seed: int
+    # "global" / "thread_local": allocating outside the capture is refused; "relaxed": allowed
+    error_mode: str
     # member stream -> whether it has work not yet joined back into the origin
     unjoined: dict[SimStream, bool] = field(default_factory=dict)
     ops_on: dict[SimStream, int] = field(default_factory=dict)
@@ -80,7 +88,7 @@ class SimGraph:
         self._pool: Any = None
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
-        self._backend._begin_capture(self, pool)
+        self._backend._begin_capture(self, pool, capture_error_mode)
 
     def capture_end(self) -> None:
         self._backend._end_capture(self)
@@ -100,7 +108,8 @@ class SimGraph:
 
 
 class SimBackend:
-    """CPU stand-in for torch.cuda's graph API. One per process: the dispatch mode is global."""
+    """CPU stand-in for torch.cuda's graph API. One per process: its dispatch mode, while active,
+    sees every operation of the process."""
 
     name = "sim"
     device = torch.device("cpu")
@@ -120,9 +129,53 @@ class SimBackend:
         self._active: _Active | None = None
         self._passthrough = 0
         self._pinned: set[int] = set()
-        self._mode = _SimMode(self)
-        self._mode.__enter__()
-        _patch_tolist(self)
+        self._activations = 0
+        self._mode: _SimMode | None = None
+        self._original_tolist: Callable[..., Any] | None = None
+
+    # -- activation ----------------------------------------------------------------------------
+
+    @property
+    def is_active(self) -> bool:
+        return self._activations > 0
+
+    def activate(self) -> None:
+        """Route torch through the sim until the matching `deactivate()`; calls nest."""
+        if self._activations == 0:
+            mode = _SimMode(self)
+            mode.__enter__()
+            self._mode = mode
+            self._original_tolist = _patch_tolist(self)
+        self._activations += 1
+
+    def deactivate(self) -> None:
+        """End one `activate()`; the last one runs queued work and gives torch back untouched."""
+        if self._activations == 0:
+            raise RuntimeError("deactivate() without a matching activate()")
+        if self._activations == 1:
+            if self._active is None:
+                self.scheduler.drain_all()
+            assert self._mode is not None and self._original_tolist is not None
+            stack = _get_current_dispatch_mode_stack()
+            if not stack or stack[-1] is not self._mode:
+                raise RuntimeError(
+                    "deactivate() while another dispatch mode entered after activate() is still "
+                    "active: exit that mode first"
+                )
+            torch.Tensor.tolist = self._original_tolist  # type: ignore[method-assign]
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+            self._original_tolist = None
+        self._activations -= 1
+
+    @contextmanager
+    def active(self) -> Iterator[SimBackend]:
+        """`activate()` for the duration of the block."""
+        self.activate()
+        try:
+            yield self
+        finally:
+            self.deactivate()
 
     # -- the torch.cuda surface ----------------------------------------------------------------
 
@@ -203,13 +256,14 @@ class SimBackend:
                     active.unjoined[event.recorded_on] = False
                 return
         marker = event.marker
+        if active is not None and stream in active.unjoined and marker is not None:
+            raise active.capture.fail(
+                "a capturing stream waited on an event recorded outside the capture "
+                "(cudaErrorStreamCaptureIsolation): a graph cannot depend on uncaptured work; "
+                "record the event inside the capture, or wait before capturing"
+            )
         if marker is None or marker.done:
             return
-        if active is not None and stream in active.unjoined:
-            raise active.capture.fail(
-                "a capturing stream waited on an event recorded outside the capture that has not "
-                "completed yet; synchronize before capturing"
-            )
         self.scheduler.enqueue(stream, new_wait(marker))
 
     def event_record(self, event: SimEvent, stream: SimStream | None) -> None:
@@ -261,22 +315,39 @@ class SimBackend:
 
     # -- capture ---------------------------------------------------------------------------------
 
-    def _begin_capture(self, graph: SimGraph, pool: Any) -> None:
+    def _begin_capture(self, graph: SimGraph, pool: Any, error_mode: str = "global") -> None:
+        if not self.is_active:
+            raise RuntimeError(
+                "the sim backend is not active, so it cannot see the operations of a capture: "
+                "capture inside `with backend.active():` (targets and the harness activate it)"
+            )
         if self._active is not None:
             raise CaptureError("a capture is already in progress; captures cannot nest")
         origin = self._current
         if origin is self._default:
             raise CaptureError("capture must run on a non-default stream: use graph(g) or a Stream")
+        if graph._program is not None:
+            raise CaptureError(
+                "this graph already holds a captured graph: reset() it or use a new Graph to capture "
+                "again"
+            )
+        if error_mode not in _ERROR_MODES:
+            raise ValueError(
+                f"capture_error_mode={error_mode!r}: choose one of {', '.join(_ERROR_MODES)}"
+            )
         handle = self._resolve_pool(pool)
         self.scheduler.drain(origin)
         capture = Capture(handle, _release_block)
-        self._active = _Active(graph, capture, origin, {origin: False}, {origin: 0})
+        self._active = _Active(
+            graph, capture, origin, torch.initial_seed(), error_mode, {origin: False}, {origin: 0}
+        )
         graph._program = None
         graph._pool = handle
 
     def _end_capture(self, graph: SimGraph) -> None:
         active = self._require_active(graph)
         self._active = None
+        self._check_seed(active)
         if active.capture.invalid is not None:
             raise CaptureError(f"capture was invalidated: {active.capture.invalid}")
         unjoined = [
@@ -294,6 +365,18 @@ class SimBackend:
         if self._active is not None and self._active.graph is graph:
             self._active = None
         graph._program = None
+
+    @staticmethod
+    def _check_seed(active: _Active) -> None:
+        """CUDA's generator refuses a new seed while a stream captures (the graph's random
+        operations are bound to the seed of the capture); torch.manual_seed bypasses the
+        dispatcher, so the sim checks at the next captured operation and at capture_end."""
+        if active.capture.invalid is None and torch.initial_seed() != active.seed:
+            raise active.capture.fail(
+                f"manual_seed({torch.initial_seed()}) during a capture begun with seed "
+                f"{active.seed}: a generator can only be re-seeded with the same seed while a "
+                "stream is capturing"
+            )
 
     def _require_active(self, graph: SimGraph) -> _Active:
         if self._active is None or self._active.graph is not graph:
@@ -317,17 +400,13 @@ class SimBackend:
             raise active.capture.fail("replaying a graph inside a capture is not supported by sim")
         # Internal: the check's own tensor operations are no scheduling points for queued work.
         self._internal(program.check_alive)
-        self._submit(self._current, program.run, "graph replay")
+        # Asynchronous, as on a GPU, even on the default stream: replay() returns before the graph
+        # ran, so host writes to pinned memory it reads, and host reads of pinned memory it
+        # writes, race with it until something waits for the stream.
+        work = new_work(lambda: self._internal(program.run), "graph replay", None)
+        self.scheduler.enqueue(self._current, work)
 
     # -- dispatch ------------------------------------------------------------------------------
-
-    def _submit(self, stream: SimStream, run: Callable[[], None], label: str) -> None:
-        """Device work: at once on the default stream (after what it queued), queued elsewhere."""
-        if stream is self._default:
-            self.scheduler.drain(stream)
-            self._internal(run)
-        else:
-            self.scheduler.enqueue(stream, new_work(lambda: self._internal(run), label, None))
 
     def _internal(self, run: Callable[[], Any]) -> Any:
         self._passthrough += 1
@@ -351,7 +430,15 @@ class SimBackend:
         active = self._active
         if active is not None:
             if stream not in active.unjoined:
+                if active.error_mode != "relaxed" and ops.allocates(func):
+                    raise active.capture.fail(
+                        f"{ops.op_name(func)} on a stream outside the capture needs a new "
+                        "allocation while a stream is capturing (operation not permitted when "
+                        "stream is capturing): allocate before the capture, or capture with "
+                        "capture_error_mode='relaxed'"
+                    )
                 return func(*args, **kwargs)  # not part of the capture: runs at once
+            self._check_seed(active)
             active.ops_on[stream] += 1
             if stream is not active.origin:
                 active.unjoined[stream] = True
@@ -418,13 +505,20 @@ def _release_block(pool: Any, block: torch.Tensor) -> None:
     pool.release(block)
 
 
-def _patch_tolist(backend: SimBackend) -> None:
-    """`Tensor.tolist` reads memory without passing through the dispatcher: make it a host read."""
+def _patch_tolist(backend: SimBackend) -> Callable[..., Any]:
+    """`Tensor.tolist` reads memory without passing through the dispatcher: make it a host read.
+    Returns the original, for `deactivate` to put back."""
     original = torch.Tensor.tolist
 
     def tolist(self: torch.Tensor) -> Any:
         if not backend._passthrough:
-            backend.host_read("Tensor.tolist()")
+            if backend._is_pinned(self):
+                # Pinned memory is host memory: reading it waits for nothing, as on a GPU,
+                # while the device may have run some queued work meanwhile.
+                backend.scheduler.maybe_progress()
+            else:
+                backend.host_read("Tensor.tolist()")
         return original(self)
 
     torch.Tensor.tolist = tolist  # type: ignore[method-assign,assignment]
+    return original

@@ -92,6 +92,12 @@ def _flat(x: Any) -> list[Any]:
     return list(x) if isinstance(x, list | tuple) else [x]
 
 
+@functools.cache
+def allocates(func: Any) -> bool:
+    """The operation makes a fresh tensor (a factory, or any op with a non-aliasing return)."""
+    return func in EMPTY_OPS or bool(fresh_return_positions(func))
+
+
 def is_view(func: Any) -> bool:
     """Every return aliases an input without writing it (view, alias, detach, split...)."""
     rets = func._schema.returns

@@ -45,7 +45,12 @@ _Item = _Work | _Marker | _Wait
 
 
 class StreamScheduler:
-    """Owns every stream's queue; the single place where queued device work runs."""
+    """Owns every stream's queue; the single place where queued device work runs.
+
+    Only streams with queued work have a queue: a queue is dropped when its last item runs, so a
+    process that creates a stream per capture does not accumulate queues (nor keep those streams
+    alive), and a scheduling point costs the same after a million captures as after one.
+    """
 
     # Chance, at each scheduling point, that one queued item runs early.
     EAGERNESS = 0.5
@@ -72,7 +77,12 @@ class StreamScheduler:
         return bool(self._queues.get(stream))
 
     def pending(self) -> bool:
-        return any(self._queues.values())
+        return bool(self._queues)
+
+    @property
+    def queue_count(self) -> int:
+        """How many streams have queued work (each has one queue; the others have none)."""
+        return len(self._queues)
 
     def maybe_progress(self) -> None:
         """A scheduling point: perhaps run one queued item of a random stream."""
@@ -80,7 +90,7 @@ class StreamScheduler:
             return
         if self._rng.random() >= self.EAGERNESS:
             return
-        streams = [s for s, q in self._queues.items() if q]
+        streams = list(self._queues)
         stream = streams[self._rng.randrange(len(streams))]
         head = self._queues[stream][0]
         if isinstance(head, _Wait) and not head.marker.done:
@@ -88,8 +98,7 @@ class StreamScheduler:
         self._run_next(stream)
 
     def drain(self, stream: SimStream) -> None:
-        queue = self._queues.get(stream)
-        while queue:
+        while stream in self._queues:
             self._run_next(stream)
 
     def run_until(self, marker: _Marker) -> None:
@@ -99,7 +108,7 @@ class StreamScheduler:
 
     def drain_all(self) -> None:
         while True:
-            streams = [s for s, q in self._queues.items() if q]
+            streams = list(self._queues)
             if not streams:
                 return
             self._rng.shuffle(streams)
@@ -107,11 +116,14 @@ class StreamScheduler:
                 self.drain(stream)
 
     def _run_next(self, stream: SimStream) -> None:
-        item = self._queues[stream][0]
+        queue = self._queues[stream]
+        item = queue[0]
         if isinstance(item, _Wait):
             # Dependencies are honoured by running the other stream up to the awaited point.
             self.run_until(item.marker)
-        self._queues[stream].popleft()
+        queue.popleft()
+        if not queue:
+            del self._queues[stream]
         if isinstance(item, _Marker):
             item.done = True
             item.at = time.perf_counter()
