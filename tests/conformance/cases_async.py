@@ -36,8 +36,6 @@ def captured_pinned_upload_reads_the_buffer_at_replay(be: Any) -> str:
 
 @case(
     "new value",
-    pending="sim device: replay must be asynchronous, so a pinned input overwritten after "
-    "replay() reaches the graph",
 )
 def pinned_input_overwritten_after_replay_before_sync(be: Any) -> str:
     g, pinned, out, _static = _staging_graph(be)
@@ -86,7 +84,6 @@ def _download_graph(be: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
 
 @case(
     "stale",
-    pending="sim device: replay must be asynchronous, so a download read before a sync is stale",
 )
 def captured_download_read_before_sync(be: Any) -> str:
     g, pinned, _x = _download_graph(be)

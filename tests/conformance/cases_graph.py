@@ -43,7 +43,7 @@ def capture_again_after_reset(be: Any) -> str:
     return value(be, y)
 
 
-@case("refused", pending="sim device: a second capture into a Graph that holds one is refused")
+@case("refused")
 def capture_twice_into_one_graph(be: Any) -> str:
     x = torch.ones(4, device=be.device)
     g = be.Graph()

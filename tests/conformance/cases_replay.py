@@ -32,6 +32,7 @@ def python_in_the_capture_region_runs_once(be: Any) -> str:
         x * 2
     for _ in range(3):
         g.replay()
+    be.synchronize()  # the replays are asynchronous: x must outlive them
     return "ran once" if len(runs) == 1 else f"ran {len(runs)} times"
 
 

@@ -72,7 +72,6 @@ def manual_seed_with_the_same_seed_during_capture(be: Any) -> str:
 
 @case(
     "raises CaptureError",
-    pending="sim device: manual_seed with a new seed during a capture must be refused",
 )
 def manual_seed_with_a_new_seed_during_capture(be: Any) -> str:
     torch.manual_seed(_SEED)

@@ -62,7 +62,6 @@ def side_stream_not_joined_before_capture_end(be: Any) -> str:
 
 @case(
     "raises CaptureError",
-    pending="sim device: waiting on an event recorded before the capture must be refused",
 )
 def wait_on_an_event_recorded_before_capture(be: Any) -> str:
     x = torch.ones(4, device=be.device)
@@ -97,7 +96,6 @@ def in_place_work_on_an_outside_stream_is_not_recorded(be: Any) -> str:
 
 @case(
     "raises CaptureError",
-    pending="sim device: an allocation on a stream outside a running capture must be refused",
 )
 def allocation_on_an_outside_stream_during_capture(be: Any) -> str:
     x = torch.ones(4, device=be.device)

@@ -153,8 +153,6 @@ class SimBackend:
         if self._activations == 0:
             raise RuntimeError("deactivate() without a matching activate()")
         if self._activations == 1:
-            if self._active is None:
-                self.scheduler.drain_all()
             assert self._mode is not None and self._original_tolist is not None
             stack = _get_current_dispatch_mode_stack()
             if not stack or stack[-1] is not self._mode:
@@ -162,10 +160,22 @@ class SimBackend:
                     "deactivate() while another dispatch mode entered after activate() is still "
                     "active: exit that mode first"
                 )
+            # Queued work that raises (a replay reading freed memory, say) is reported, but torch
+            # is given back all the same and nothing is left queued for a later activation.
+            error: Exception | None = None
+            while self._active is None and self.scheduler.pending():
+                try:
+                    self.scheduler.drain_all()
+                except Exception as exc:
+                    error = error or exc
             torch.Tensor.tolist = self._original_tolist  # type: ignore[method-assign]
             self._mode.__exit__(None, None, None)
             self._mode = None
             self._original_tolist = None
+            self._activations -= 1
+            if error is not None:
+                raise error
+            return
         self._activations -= 1
 
     @contextmanager
