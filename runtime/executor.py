@@ -20,6 +20,7 @@ from pytest_graphmode.contract import AddressView, Batch, StepResult
 from pytest_graphmode.runtime.buckets import schedule
 from pytest_graphmode.runtime.buffers import InputLimits, StaticInputs
 from pytest_graphmode.runtime.capture import CapturedStep, StepFn, capture_full, capture_pieces
+from pytest_graphmode.runtime.data_parallel import Coordinator, DataParallel
 from pytest_graphmode.runtime.dispatch import CAPTURE_FAILED, Decision, Dispatcher
 from pytest_graphmode.runtime.keys import GraphKey, uses_adapters
 from pytest_graphmode.runtime.memory import GraphMemory, VmmUnsupportedError, make_graph_memory
@@ -45,7 +46,9 @@ class GraphExecutor:
     serves run as PIECEWISE graphs keyed by their token count padded to a power of two (attention
     runs eagerly between the pieces); without it they run eagerly. `memory` is the graph-memory
     strategy ("separate" | "shared" | "vmm"), or "auto": vmm where it can run, else shared with a
-    warning that says why (`memory_note` keeps the reason).
+    warning that says why (`memory_note` keeps the reason). With `data_parallel` (a group of
+    more than one rank) every step is coordinated with the other ranks first (see
+    `runtime.data_parallel`); an empty batch then runs the agreed shape as a dummy batch.
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class GraphExecutor:
         piecewise: bool = False,
         max_num_reqs: int | None = None,
         max_num_tokens: int | None = None,
+        data_parallel: DataParallel | None = None,
     ) -> None:
         if torch.device(decoder.device) != torch.device(backend.device):
             raise ValueError(
@@ -106,6 +110,9 @@ class GraphExecutor:
         self._failed: dict[GraphKey, str] = {}
         self._stats = StatsRecorder()
         self._closed = False
+        self.coordinator: Coordinator | None = None
+        if data_parallel is not None and data_parallel.world_size > 1:
+            self.coordinator = Coordinator(data_parallel, self.dispatcher)
 
     @property
     def graphs(self) -> tuple[GraphKey, ...]:
@@ -120,17 +127,10 @@ class GraphExecutor:
     def step(self, batch: Batch) -> StepResult:
         """Run one step; raises ValueError (changing nothing) for a batch that cannot be staged."""
         self._check_open()
-        decision = self._route(batch)
-        self.inputs.stage(batch, decision.padded_reqs, decision.padded_tokens)
-        captured = None
-        if decision.key is not None:
-            captured = self._graphs.get(decision.key)
-            if captured is not None:
-                self._stats.hits += 1
-            else:
-                captured = self._capture(decision.key, decision.padded_reqs)
-                if captured is None:
-                    decision = self._route(batch)
+        if self.coordinator is None:
+            decision, captured = self._prepare(batch)
+        else:
+            decision, captured = self._prepare_agreed(batch, self.coordinator)
         self.dispatcher.record(decision)
         self._stats.steps[decision.path] += 1
         n = batch.num_reqs
@@ -142,9 +142,55 @@ class GraphExecutor:
             return StepResult(logits, next_tokens, decision.path, captured.key, decision.reason)
         if decision.cause is not None:
             self._stats.fallbacks[decision.cause] += 1
+        if decision.padded_reqs == 0:  # data parallel, and no rank has work: nothing runs
+            vocab = self.decoder.config.vocab_size
+            empty = torch.empty(0, vocab, dtype=self.decoder.dtype, device=self.decoder.device)
+            tokens = torch.empty(0, dtype=torch.int64, device=self.decoder.device)
+            return StepResult(empty, tokens, "eager", None, decision.reason)
         run = self._step_fn(decision.padded_reqs, decision.padded_tokens, uses_adapters(batch))
         logits, next_tokens = run()
         return StepResult(logits[:n], next_tokens[:n], "eager", None, decision.reason)
+
+    def _prepare(self, batch: Batch) -> tuple[Decision, CapturedStep | None]:
+        """Dispatch and stage `batch`, capturing its graph on first use."""
+        decision = self._route(batch)
+        self.inputs.stage(batch, decision.padded_reqs, decision.padded_tokens)
+        captured = None
+        if decision.key is not None:
+            captured = self._graphs.get(decision.key)
+            if captured is not None:
+                self._stats.hits += 1
+            else:
+                captured = self._capture(decision.key, decision.padded_reqs)
+                if captured is None:
+                    decision = self._route(batch)
+        return decision, captured
+
+    def _prepare_agreed(
+        self, batch: Batch, coordinator: Coordinator
+    ) -> tuple[Decision, CapturedStep | None]:
+        """`_prepare` for a data-parallel rank: the path and shape are agreed with every rank,
+        and so is the outcome of a capture, so a key failed anywhere is failed everywhere."""
+        failed = self._failed
+        decision = coordinator.decide(batch, tuple(failed), len(self._graphs) + len(failed))
+        while True:
+            self.inputs.stage(batch, decision.padded_reqs, decision.padded_tokens)
+            if decision.key is None:
+                return decision, None
+            captured = self._graphs.get(decision.key)
+            if captured is not None:
+                self._stats.hits += 1
+                return decision, captured
+            captured = self._capture(decision.key, decision.padded_reqs)
+            failed_on = coordinator.failed_ranks(captured is not None)
+            if not failed_on:
+                return decision, captured
+            if captured is not None:
+                captured.reset()
+                self._memory.discard(captured.key)
+                del self._graphs[captured.key]
+                failed[captured.key] = f"capture of {captured.key} failed on ranks {failed_on}"
+            decision = coordinator.again(batch, tuple(failed))
 
     def capture_all(self, query_lens: Iterable[int] | None = None) -> None:
         """Capture every FULL decode graph ahead of time, largest first, so smaller graphs reuse
