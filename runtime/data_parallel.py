@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -66,7 +66,7 @@ class DataParallel:
     rank: int
     world_size: int
     group: Any = None
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     force_eager: bool = False
     watch: Callable[[str], None] | None = None
 
