@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
@@ -45,7 +45,7 @@ class RankStep:
 
     plans: tuple[StepPlan | None, ...]
     faults: tuple[RankFault, ...]
-    stress: Stress = Stress()
+    stress: Stress = field(default_factory=Stress)
 
     def __post_init__(self) -> None:
         if len(self.plans) != len(self.faults):

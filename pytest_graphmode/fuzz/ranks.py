@@ -16,6 +16,7 @@ schedule that hung.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -101,10 +102,8 @@ class RankPool:
         """Stop every rank process (asked first, killed where it does not stop)."""
         for conn, process in zip(self._conns, self._procs, strict=True):
             if process.is_alive():
-                try:
+                with contextlib.suppress(OSError):
                     conn.send(("close",))
-                except OSError:
-                    pass
         deadline = time.monotonic() + 10
         for process in self._procs:
             process.join(max(0.0, deadline - time.monotonic()))
