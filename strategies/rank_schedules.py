@@ -1,9 +1,9 @@
 """Schedules for data-parallel ranks: one batch per rank and step, idle ranks, rank-local faults.
 
-Each step draws one plan that most ranks share (so the ranks often agree on a FULL graph and the
-coordination must keep them there), and gives some ranks a plan of their own (a prefill, a
-speculative step or an adapter only that rank has) or nothing at all (an idle rank runs a dummy
-batch). Rank-local faults push one rank onto another path: forced eager, or every capture failing
+Each step draws one plan that most ranks share, so the ranks often agree on a FULL graph and the
+coordination must keep them there (now and then the shared plan loads every rank to its limits),
+and gives some ranks a plan of their own (a prefill, a speculative step or an adapter only that
+rank has) or nothing at all (an idle rank runs a dummy batch). Rank-local faults push one rank onto another path: forced eager, or every capture failing
 during the step. Stressors that change a target's configuration (weight updates) apply to every
 rank at the same step, as a serving engine applies them; every rank has its own scheduler, blocks
 and requests.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from hypothesis import strategies as st
 
 from pytest_graphmode.contract import Batch, TargetSpec
-from pytest_graphmode.strategies.plans import StepPlan, Stress
+from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import Scheduler
 from pytest_graphmode.strategies.schedules import step_plans
 
@@ -61,9 +61,24 @@ def rank_faults() -> st.SearchStrategy[RankFault]:
     )
 
 
+def loaded_plans(spec: TargetSpec) -> st.SearchStrategy[StepPlan]:
+    """Steps that fill a rank to its limits (long prompts arriving, every ready request in the
+    batch, the largest chunk): where ranks under load meet, a coordination step that adds up the
+    ranks' sizes instead of taking the largest outgrows every bucket and buffer."""
+    longest = Scheduler(spec).capacity
+    long_prompts = st.builds(Arrival, prompt_len=st.integers(max(1, longest // 2), longest))
+    return st.builds(
+        StepPlan,
+        kind=st.sampled_from(("prefill", "mixed", "decode")),
+        rows=st.just(spec.max_num_reqs),
+        arrivals=st.lists(long_prompts, min_size=2, max_size=4).map(tuple),
+        chunk=st.just(spec.max_num_tokens),
+    )
+
+
 @st.composite
 def rank_steps(draw: st.DrawFn, spec: TargetSpec, ranks: int) -> RankStep:
-    shared = draw(step_plans(spec))
+    shared = draw(st.one_of(step_plans(spec), step_plans(spec), loaded_plans(spec)))
     plans: list[StepPlan | None] = []
     for _ in range(ranks):
         role = draw(st.sampled_from(("shared", "shared", "own", "idle")))

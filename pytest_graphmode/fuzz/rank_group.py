@@ -10,6 +10,7 @@ reads when it reports a hang.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -24,7 +25,13 @@ from pytest_graphmode.fuzz.stats import CampaignStats
 from pytest_graphmode.runtime.data_parallel import DataParallel
 from pytest_graphmode.strategies.rank_schedules import RankEvent, RankFault
 
-STATUS_FIELDS = 3  # per rank: step reached, collectives entered, waiting in one (0/1)
+STATUS_FIELDS = 3  # per rank: step reached, collectives entered, the one it waits in (0: none)
+COLLECTIVES = (
+    "",
+    "the graph twins' coordination",
+    "the clean twins' coordination",
+    "the report exchange",
+)
 
 
 @dataclass
@@ -76,8 +83,8 @@ class RankGroup:
         self.status[base], self.status[base + 1], self.status[base + 2] = -1, 0, 0
         stats = CampaignStats()
         members = tuple(
-            DataParallel(self.rank, self.world, group, self.device, watch=self._watch)
-            for group in self.groups
+            DataParallel(self.rank, self.world, group, self.device, watch=self._watcher(which))
+            for which, group in enumerate(self.groups, start=1)
         )
         lockstep = RankLockstep(
             factory,
@@ -101,15 +108,21 @@ class RankGroup:
     def _arrive(self, step: int) -> None:
         self.status[self.rank * STATUS_FIELDS] = step
 
-    def _watch(self, moment: str) -> None:
+    def _watcher(self, which: int) -> Callable[[str], None]:
+        """Records entering and leaving collectives of kind `which` (an index of COLLECTIVES)."""
         base = self.rank * STATUS_FIELDS
-        if moment == "enter":
-            self.status[base + 1] += 1
-        self.status[base + 2] = int(moment == "enter")
+
+        def watch(moment: str) -> None:
+            if moment == "enter":
+                self.status[base + 1] += 1
+            self.status[base + 2] = which if moment == "enter" else 0
+
+        return watch
 
     def _exchange(self, report: RankReport) -> list[RankReport]:
         gathered: list[Any] = [None] * self.world
-        self._watch("enter")
+        watch = self._watcher(len(COLLECTIVES) - 1)
+        watch("enter")
         dist.all_gather_object(gathered, report, group=self.reports)
-        self._watch("leave")
+        watch("leave")
         return gathered

@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -36,7 +37,7 @@ from pytest_graphmode.contract import TargetFactory
 from pytest_graphmode.fuzz.campaign import _restricted, default_settings, target_spec
 from pytest_graphmode.fuzz.failure import Failure, GraphmodeFailure, factory_reference
 from pytest_graphmode.fuzz.rank_checks import RANKS_ARRIVE
-from pytest_graphmode.fuzz.rank_group import STATUS_FIELDS, RankGroup
+from pytest_graphmode.fuzz.rank_group import COLLECTIVES, STATUS_FIELDS, RankGroup
 from pytest_graphmode.fuzz.rank_lockstep import Finding
 from pytest_graphmode.fuzz.stats import CampaignStats
 from pytest_graphmode.strategies.rank_schedules import (
@@ -161,15 +162,18 @@ class RankPool:
         ]
         self._kill()
         step = max(s[0] for s in status)
-        entered = max(s[1] for s in status)
-        waiting = [r for r, s in enumerate(status) if s[2] and s[1] == entered]
+        waits = Counter(s[2] for s in status if s[2])
+        # The collective most ranks wait in (ties: the earlier kind); the other ranks never came.
+        awaited = max(waits, key=lambda w: (waits[w], -w), default=0)
+        waiting = [r for r, s in enumerate(status) if awaited and s[2] == awaited]
         missing = [r for r in range(self.ranks) if r not in waiting]
         lines = [
             f"graphmode check {RANKS_ARRIVE!r} failed at step {step} (seed {seed}): {what}",
-            f"ranks {missing} did not arrive at the collective that ranks {waiting} wait in",
+            f"ranks {missing} did not arrive at {COLLECTIVES[awaited] or 'any collective'}"
+            + (f", which ranks {waiting} wait in" if waiting else ""),
             *(
                 f"  rank {r}: reached step {s[0]}, entered {s[1]} collectives, "
-                + ("waiting in one" if s[2] else "not in a collective")
+                + (f"waiting in {COLLECTIVES[s[2]]}" if s[2] else "not in a collective")
                 for r, s in enumerate(status)
             ),
             "every rank process was killed",
