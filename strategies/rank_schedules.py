@@ -78,7 +78,7 @@ def loaded_plans(spec: TargetSpec) -> st.SearchStrategy[StepPlan]:
 
 @st.composite
 def rank_steps(draw: st.DrawFn, spec: TargetSpec, ranks: int) -> RankStep:
-    shared = draw(st.one_of(step_plans(spec), step_plans(spec), loaded_plans(spec)))
+    shared = draw(st.one_of(step_plans(spec), loaded_plans(spec)))
     plans: list[StepPlan | None] = []
     for _ in range(ranks):
         role = draw(st.sampled_from(("shared", "shared", "own", "idle")))
