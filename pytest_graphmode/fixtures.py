@@ -8,6 +8,7 @@ fixture is used.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -87,8 +88,13 @@ class GraphmodeFuzz:
         run = settings_of(self._config)
         examples = run.examples if max_examples is None else max_examples
         progress = self._progress_line(label)
+        campaign = run_campaign
+        if run.ranks > 1:
+            from pytest_graphmode.fuzz.ranks import run_rank_campaign
+
+            campaign = functools.partial(run_rank_campaign, ranks=run.ranks)
         try:
-            stats = run_campaign(
+            stats = campaign(
                 factory,
                 backend=resolve_backend(backend) if backend else run.backend,
                 max_examples=examples,

@@ -41,6 +41,7 @@ _OPTIONS: dict[str, tuple[str, str]] = {
     "seed": ("N", "base seed of campaigns and targets (default random, shown in the header)"),
     "report": ("PATH", "write the campaign report as JSON to PATH"),
     "profile": ("{dev,ci,nightly}", "examples and steps per campaign (default dev)"),
+    "ranks": ("N", "data-parallel ranks, one process each (default 1; gloo on sim, NCCL on cuda)"),
 }
 
 
@@ -57,6 +58,7 @@ class GraphmodeSettings:
     seed: int
     seed_given: bool
     report: Path | None
+    ranks: int = 1
 
     @cached_property
     def backend(self) -> str:
@@ -141,6 +143,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
         f"graphmode: backend={settings.backend}{asked} target={settings.target} "
         f"seed={settings.seed} ({seed_origin}) profile={settings.profile} "
         f"examples={settings.examples} steps={settings.steps}"
+        + (f" ranks={settings.ranks}" if settings.ranks > 1 else "")
     )
 
 
@@ -254,6 +257,7 @@ def _resolve_settings(config: pytest.Config) -> GraphmodeSettings:
         seed=seed,
         seed_given=seed_given,
         report=None if raw["report"] is None else Path(raw["report"]),
+        ranks=1 if raw["ranks"] is None else _parse_int("ranks", raw["ranks"]),
     )
 
 
@@ -286,6 +290,7 @@ def _run_facts(settings: GraphmodeSettings) -> dict[str, Any]:
         "seed": settings.seed,
         "examples_per_campaign": settings.examples,
         "steps_per_example": settings.steps,
+        "ranks": settings.ranks,
     }
 
 
