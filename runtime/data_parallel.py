@@ -232,10 +232,12 @@ def _why(weakest: Contribution, path: Path) -> str:
 class Coordinator:
     """Runs the coordination collectives of one executor's steps."""
 
+    _rows: list[Contribution]  # the rows of the last all-gather
+
     def __init__(self, member: DataParallel, dispatcher: Dispatcher) -> None:
         self.member = member
         self.dispatcher = dispatcher
-        self._rows: list[Contribution] = []
+        self._rows = []
 
     def decide(self, batch: Batch, failed: Sequence[GraphKey], known_keys: int) -> Decision:
         """The agreed decision for this rank's `batch` (one all-gather)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from hypothesis import strategies as st
 
@@ -22,7 +23,7 @@ from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import Scheduler
 from pytest_graphmode.strategies.schedules import step_plans
 
-RankEvent = Batch | Stress  # an idle rank's step is the empty batch
+RankEvent: TypeAlias = Batch | Stress  # an idle rank's step is the empty batch
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,18 @@ import importlib
 
 import pytest
 
+from pytest_graphmode.contract import TargetFactory
 from pytest_graphmode.fuzz import Failure, GraphmodeFailure
 from pytest_graphmode.fuzz.campaign import target_spec
 from pytest_graphmode.fuzz.ranks import replay_ranks, run_rank_campaign
 from pytest_graphmode.runtime.target import make_target
 from pytest_graphmode.strategies.plans import Arrival, StepPlan
-from pytest_graphmode.strategies.rank_schedules import RankFault, RankStep, compile_rank_schedule
+from pytest_graphmode.strategies.rank_schedules import (
+    RankEvent,
+    RankFault,
+    RankStep,
+    compile_rank_schedule,
+)
 from tests.mutants.budget import detection_settings
 from tests.ranks import hanging
 
@@ -29,11 +35,11 @@ DETECTION_EXAMPLES = 20
 TIMEOUT = 30.0
 
 
-def _first_failure(factory: object) -> Failure | None:
+def _first_failure(factory: TargetFactory) -> Failure | None:
     for seed in DETECTION_SEEDS:
         try:
             run_rank_campaign(
-                factory,  # type: ignore[arg-type]
+                factory,
                 ranks=RANKS,
                 backend="sim",
                 seed=seed,
@@ -63,7 +69,7 @@ def test_the_default_target_passes_a_two_rank_campaign() -> None:
     assert stats.checks_run["ranks_agree"] == stats.steps > 0
 
 
-def _decode_schedule(steps: int) -> list[list[object]]:
+def _decode_schedule(steps: int) -> list[list[RankEvent | RankFault]]:
     plan = StepPlan("decode", rows=2, arrivals=(Arrival(prompt_len=1),))
     step = RankStep((plan,) * RANKS, (RankFault(),) * RANKS)
     return compile_rank_schedule(target_spec(make_target, "sim"), [step] * steps)
@@ -72,7 +78,7 @@ def _decode_schedule(steps: int) -> list[list[object]]:
 def test_a_hanging_rank_is_reported_with_its_rank_and_step_and_the_run_ends() -> None:
     events = _decode_schedule(hanging.HANGING_STEP + 2)
     with pytest.raises(GraphmodeFailure) as caught:
-        replay_ranks(events, factory=hanging.make_target, backend="sim", timeout=TIMEOUT)  # type: ignore[arg-type]
+        replay_ranks(events, factory=hanging.make_target, backend="sim", timeout=TIMEOUT)
     failure = caught.value.failure
     assert (failure.check, failure.step) == ("ranks_arrive", hanging.HANGING_STEP)
     assert (
