@@ -26,7 +26,7 @@ EXPECTED_CHECK = "replay_matches_eager"
 
 class SumCoordinator(Coordinator):
     def again(self, batch: Batch, failed: Sequence[GraphKey]) -> Decision:
-        gathered = self._rows
+        gathered: list[Contribution] = self._rows
         self._rows = [self._summed(row, gathered) for row in gathered]
         try:
             return super().again(batch, failed)
