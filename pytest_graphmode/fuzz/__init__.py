@@ -44,7 +44,9 @@ How each bug class of docs/bug-classes.md is provoked (before the arrow) and see
    -> pool_within_bound, address_views_disjoint
 10. capture coverage: fresh inputs on every replay after capture
    -> replay_matches_eager, states_match
-11. cross-rank consistency: not driven (one process, one rank)
+11. cross-rank consistency: with `ranks` > 1 (`fuzz.ranks.run_rank_campaign`), a batch per rank,
+   idle ranks, a prefill or adapter on one rank, a rank forced eager or failing its captures
+   -> ranks_agree, ranks_arrive (plus every check above on every rank)
 12. piecewise: prefill, mixed and oversized steps on a piecewise runner
    -> replay_matches_eager, kv_writes_confined
 """
