@@ -182,9 +182,7 @@ class GraphExecutor:
         logits = torch.empty(0, vocab, dtype=self.decoder.dtype, device=self.decoder.device)
         return logits, torch.empty(0, dtype=torch.int64, device=self.decoder.device)
 
-    def _prepare(
-        self, batch: Batch
-    ) -> tuple[Decision, CapturedStep | None, CapturedStep | None]:
+    def _prepare(self, batch: Batch) -> tuple[Decision, CapturedStep | None, CapturedStep | None]:
         """Dispatch and stage `batch`: (decision, graph held already, graph captured now). A
         graph captured now is the caller's to keep once the step is done, or to release."""
         decision = self._route(batch)
@@ -214,7 +212,12 @@ class GraphExecutor:
             if captured is not None:
                 return decision, captured, None
             fresh = self._capture(decision.key, decision.padded_reqs)
-            failed_on = coordinator.failed_ranks(fresh is not None)
+            try:
+                failed_on = coordinator.failed_ranks(fresh is not None)
+            except BaseException:  # interrupted in the collective: the step never happened
+                if fresh is not None:
+                    self._release(fresh)
+                raise
             if not failed_on:
                 return decision, None, fresh
             if fresh is not None:

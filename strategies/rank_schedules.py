@@ -3,10 +3,10 @@
 Each step draws one plan that most ranks share, so the ranks often agree on a FULL graph and the
 coordination must keep them there (now and then the shared plan loads every rank to its limits),
 and gives some ranks a plan of their own (a prefill, a speculative step or an adapter only that
-rank has) or nothing at all (an idle rank runs a dummy batch). Rank-local faults push one rank onto another path: forced eager, or every capture failing
-during the step. Stressors that change a target's configuration (weight updates) apply to every
-rank at the same step, as a serving engine applies them; every rank has its own scheduler, blocks
-and requests.
+rank has) or nothing at all (an idle rank runs a dummy batch). Rank-local faults push one rank
+onto another path: forced eager, or every capture failing during the step. Stressors that change a
+target's configuration (weight updates) apply to every rank at the same step, as a serving engine
+applies them; every rank has its own scheduler, blocks and requests.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from pytest_graphmode.contract import Batch, TargetSpec
 from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
-from pytest_graphmode.strategies.scheduler import Scheduler
+from pytest_graphmode.strategies.scheduler import BlockScheduler
 from pytest_graphmode.strategies.schedules import step_plans
 
 RankEvent: TypeAlias = Batch | Stress  # an idle rank's step is the empty batch
@@ -66,7 +66,7 @@ def loaded_plans(spec: TargetSpec) -> st.SearchStrategy[StepPlan]:
     """Steps that fill a rank to its limits (long prompts arriving, every ready request in the
     batch, the largest chunk): where ranks under load meet, a coordination step that adds up the
     ranks' sizes instead of taking the largest outgrows every bucket and buffer."""
-    longest = Scheduler(spec).capacity
+    longest = BlockScheduler(spec).capacity
     long_prompts = st.builds(Arrival, prompt_len=st.integers(max(1, longest // 2), longest))
     return st.builds(
         StepPlan,
@@ -108,7 +108,7 @@ def compile_rank_schedule(
     `RankFault` (when active), then its batch (empty when idle). Ranks schedule independently,
     each from its own seed."""
     ranks = len(steps[0].plans) if steps else 0
-    schedulers = [Scheduler(spec, seed * 7919 + rank) for rank in range(ranks)]
+    schedulers = [BlockScheduler(spec, seed * 7919 + rank) for rank in range(ranks)]
     events: list[list[RankEvent | RankFault]] = [[] for _ in range(ranks)]
     for step in steps:
         if len(step.plans) != ranks:

@@ -16,10 +16,12 @@ Public API (stable; the pytest plugin is built on it):
   seconds; `merge(other)` (xdist aggregation), `to_json()` and `from_json()`.
 - `Failure(check, step, message, seed, replay_snippet)`, and `GraphmodeFailure(AssertionError)`
   with `.failure` and `.stats`.
+- `CHECKS`: the name of every check a campaign can fail with, in the order they run within a
+  step: those of `registry.REGISTRY`, run by every campaign, then `registry.RANK_CHECKS`, run only
+  by data-parallel campaigns.
 
 `CampaignStats`, `Failure` and `GraphmodeFailure` live in torch-free modules and are exported from
 `pytest_graphmode` too.
-- `CHECKS`: the check names, in the order they run within a step (`registry.REGISTRY`).
 
 `factory` is a `TargetFactory`: `factory(mode, *, seed, backend) -> GraphTarget`. Every target
 made is closed, also when a check fails.

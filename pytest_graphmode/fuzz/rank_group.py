@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import TargetFactory
 from pytest_graphmode.fuzz.rank_checks import RankReport
 from pytest_graphmode.fuzz.rank_lockstep import Finding, RankLockstep
-from pytest_graphmode.fuzz.stats import CampaignStats
 from pytest_graphmode.runtime.data_parallel import DataParallel
 from pytest_graphmode.strategies.rank_schedules import RankEvent, RankFault
 

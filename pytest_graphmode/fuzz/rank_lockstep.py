@@ -16,12 +16,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, GraphTarget, StepResult, TargetFactory
 from pytest_graphmode.fuzz import kv_checks
 from pytest_graphmode.fuzz.checks import Outcome
-from pytest_graphmode.fuzz.machine import Lockstep, _Kept, _snapshot, _step
+from pytest_graphmode.fuzz.lockstep import Lockstep, snapshot, step_outcome
 from pytest_graphmode.fuzz.rank_checks import RANKS_AGREE, RankReport, first_violation
-from pytest_graphmode.fuzz.stats import CampaignStats
+from pytest_graphmode.fuzz.registry import Kept
 from pytest_graphmode.fuzz.violation import Violation
 from pytest_graphmode.runtime.data_parallel import DataParallel, joined
 from pytest_graphmode.strategies.plans import Stress
@@ -70,7 +71,7 @@ class RankLockstep(Lockstep):
 
     def run_rank(self, events: Sequence[RankEvent | RankFault]) -> Finding | None:
         """Run this rank's events; the first finding of any rank, the same on every rank."""
-        kept: list[_Kept] = []
+        kept: list[Kept] = []
         pending, fault = Stress(), RankFault()
         previous: Batch | None = None
         step = 0
@@ -121,16 +122,16 @@ class RankLockstep(Lockstep):
     def _check_idle(self, batch: Batch) -> list[Violation]:
         """An idle rank runs the agreed shape on a dummy batch: empty results, and no KV write
         outside the null block."""
-        before = _snapshot(self.graph.state())
-        graph = _step(self.graph, batch)
-        clean = _step(self.clean, batch)
+        before = snapshot(self.graph.state())
+        graph = step_outcome(self.graph, batch)
+        clean = step_outcome(self.clean, batch)
         self._count(batch, graph.result)
         for twin, outcome in (("graph", graph), ("clean", clean)):
             problem = _idle_problem(outcome, self.spec.vocab_size)
             if problem:
                 return [Violation(RANKS_AGREE, f"idle rank, {twin} twin: {problem}")]
-        self._ran("kv_writes_confined")
-        after = _snapshot(self.graph.state())
+        self.stats.checks_run[kv_checks.KV_WRITES_CONFINED] += 1
+        after = snapshot(self.graph.state())
         return kv_checks.kv_writes_confined(batch, before, after, self.spec, "graph")
 
     def _judge(self, step: int, batch: Batch, violations: list[Violation]) -> Finding | None:
@@ -144,7 +145,7 @@ class RankLockstep(Lockstep):
             violation=violations[0] if violations else None,
         )
         reports = self._exchange(report)
-        self._ran(RANKS_AGREE)
+        self.stats.checks_run[RANKS_AGREE] += 1
         found = first_violation(reports)
         if found is None:
             return None

@@ -33,13 +33,15 @@ from typing import Any
 import hypothesis
 from hypothesis import strategies as st
 
+from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import TargetFactory
-from pytest_graphmode.fuzz.campaign import _restricted, default_settings, target_spec
-from pytest_graphmode.fuzz.failure import Failure, GraphmodeFailure, factory_reference
+from pytest_graphmode.failure import Failure, GraphmodeFailure
+from pytest_graphmode.fuzz.campaign import campaign_spec, storage_outside_the_project
 from pytest_graphmode.fuzz.rank_checks import RANKS_ARRIVE
 from pytest_graphmode.fuzz.rank_group import COLLECTIVES, STATUS_FIELDS, RankGroup
 from pytest_graphmode.fuzz.rank_lockstep import Finding
-from pytest_graphmode.fuzz.stats import CampaignStats
+from pytest_graphmode.fuzz.snippet import replay_ranks_snippet
+from pytest_graphmode.settings import hypothesis_settings
 from pytest_graphmode.strategies.rank_schedules import (
     RankEvent,
     RankFault,
@@ -224,26 +226,6 @@ def _rank_main(
         group.leave()
 
 
-def replay_ranks_snippet(
-    events: Sequence[RankEvents], *, factory: Callable[..., Any], backend: str, seed: int
-) -> str:
-    """Python source that re-runs every rank's `events` with every check (runnable as is)."""
-    import_line, factory_expr = factory_reference(factory)
-    header = [
-        "from pytest_graphmode.contract import Batch, Request",
-        "from pytest_graphmode.fuzz.ranks import replay_ranks",
-        "from pytest_graphmode.strategies.plans import Stress",
-        "from pytest_graphmode.strategies.rank_schedules import RankFault",
-        import_line,
-    ]
-    body = ["events = ["]
-    for rank, mine in enumerate(events):
-        body += [f"    [  # rank {rank}", *(f"        {event!r}," for event in mine), "    ],"]
-    body.append("]")
-    call = f"replay_ranks(events, backend={backend!r}, seed={seed}, factory={factory_expr})"
-    return "\n".join([*header, "", *body, call])
-
-
 def _fold(
     stats: CampaignStats,
     replies: Sequence[tuple[CampaignStats, Finding | None]],
@@ -253,8 +235,12 @@ def _fold(
     seed: int,
     events: Sequence[RankEvents],
 ) -> CampaignStats:
-    """Merge every rank's statistics into `stats`; raise `GraphmodeFailure` for a finding."""
+    """Merge every rank's statistics into `stats`; raise `GraphmodeFailure` for a finding.
+
+    Every rank answered, so every rank arrived at every collective of the steps it counted:
+    `ranks_arrive` passed on each of them (a rank that did not arrive aborts the run instead)."""
     for rank_stats, _ in replies:
+        rank_stats.checks_run[RANKS_ARRIVE] += rank_stats.steps
         merged = stats.merge(dataclasses.replace(rank_stats, examples=0))
         for field in dataclasses.fields(stats):
             setattr(stats, field.name, getattr(merged, field.name))
@@ -309,13 +295,15 @@ def run_rank_campaign(
     features: frozenset[str] | None = None,
     progress: Callable[[CampaignStats], None] | None = None,
     settings: hypothesis.settings | None = None,
+    stats: CampaignStats | None = None,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> CampaignStats:
     """`run_campaign` over `ranks` data-parallel ranks: every check of one rank on every rank,
-    plus `ranks_agree` (every rank runs the same graph at every step) and `ranks_arrive` (no
-    collective hangs for `timeout` seconds). Statistics count the steps of every rank."""
-    spec = _restricted(target_spec(factory, backend), features)
-    stats = CampaignStats()
+    plus the checks of `registry.RANK_CHECKS`: `ranks_agree` (every rank runs the same graph at
+    every step) and `ranks_arrive` (no collective hangs for `timeout` seconds). Statistics count
+    the steps of every rank; `stats`, when given, is counted into as in `run_campaign`."""
+    spec = campaign_spec(factory, backend, features)
+    stats = CampaignStats() if stats is None else stats
     started = time.perf_counter()
     pool = RankPool(factory, backend=backend, ranks=ranks, timeout=timeout)
 
@@ -334,11 +322,12 @@ def run_rank_campaign(
             if progress is not None:
                 progress(stats)
 
-    example = (settings or default_settings(max_examples))(example)
+    example = (settings or hypothesis_settings(max_examples))(example)
     if seed is not None:
         example = hypothesis.seed(seed)(example)
     try:
-        example()
+        with storage_outside_the_project():
+            example()
     except GraphmodeFailure as failed:
         stats.failures.append(failed.failure)
         failed.stats = stats

@@ -12,7 +12,7 @@ import importlib
 import pytest
 
 from pytest_graphmode.contract import TargetFactory
-from pytest_graphmode.fuzz import Failure, GraphmodeFailure
+from pytest_graphmode.fuzz import CHECKS, Failure, GraphmodeFailure
 from pytest_graphmode.fuzz.campaign import target_spec
 from pytest_graphmode.fuzz.ranks import replay_ranks, run_rank_campaign
 from pytest_graphmode.runtime.target import make_target
@@ -66,7 +66,8 @@ def test_the_default_target_passes_a_two_rank_campaign() -> None:
         make_target, ranks=RANKS, backend="sim", seed=0, settings=detection_settings(3)
     )
     assert stats.failures == []
-    assert stats.checks_run["ranks_agree"] == stats.steps > 0
+    assert stats.checks_run["ranks_agree"] == stats.checks_run["ranks_arrive"] == stats.steps > 0
+    assert set(stats.checks_run) <= set(CHECKS)
 
 
 def _decode_schedule(steps: int) -> list[list[RankEvent | RankFault]]:
