@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
+from unittest import mock
 
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, GraphTarget, StepResult, TargetFactory
@@ -109,15 +110,17 @@ class RankLockstep(Lockstep):
     def _faults(self, fault: RankFault) -> Iterator[None]:
         for member in self._members:
             member.force_eager = fault.force_eager
-        if fault.fail_captures:
-            self.backend.graph = _failing_capture(self._members[0].rank)
         try:
-            yield
+            if fault.fail_captures:
+                # Shadows the backend's `graph` for this step only; the method shows again after.
+                failing = _failing_capture(self._members[0].rank)
+                with mock.patch.object(self.backend, "graph", failing):
+                    yield
+            else:
+                yield
         finally:
             for member in self._members:
                 member.force_eager = False
-            if fault.fail_captures:
-                del self.backend.graph  # the class's method shows through again
 
     def _check_idle(self, batch: Batch) -> list[Violation]:
         """An idle rank runs the agreed shape on a dummy batch: empty results, and no KV write

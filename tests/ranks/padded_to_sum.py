@@ -25,8 +25,10 @@ EXPECTED_CHECK = "replay_matches_eager"
 
 
 class SumCoordinator(Coordinator):
+    _rows: list[Contribution]  # swapped for the summed rows while the agreement is computed
+
     def again(self, batch: Batch, failed: Sequence[GraphKey]) -> Decision:
-        gathered: list[Contribution] = self._rows
+        gathered = self._rows
         self._rows = [self._summed(row, gathered) for row in gathered]
         try:
             return super().again(batch, failed)
