@@ -3,9 +3,10 @@
 Runs inside a rank's process (see `fuzz.ranks`). The rank's graph twin and its clean twin are made
 inside `runtime.data_parallel.joined`, each with a process group of its own, so every rank's graph
 twins coordinate with each other and every rank's clean twins likewise; the eager twins run alone.
-Every step runs the single-rank checks of the lockstep driver on this rank (an idle rank checks
-that its dummy batch wrote nothing but the null block), then all ranks exchange a `RankReport` in
-one more collective and judge `ranks_agree` together, so every rank stops at the same step.
+Every step runs the checks of `registry.REGISTRY` on this rank through `Lockstep` (an idle rank
+checks that its dummy batch wrote nothing but the null block), then all ranks exchange a
+`RankReport` in one more collective and judge `ranks_agree` together, so every rank stops at the
+same step.
 """
 
 from __future__ import annotations
