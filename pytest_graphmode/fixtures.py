@@ -7,6 +7,7 @@ fixture is used.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -60,8 +61,13 @@ class GraphmodeFuzz:
         examples = run.examples if max_examples is None else max_examples
         progress = self._progress_line(label)
         stats = CampaignStats()
+        campaign = run_campaign
+        if run.ranks > 1:
+            from pytest_graphmode.fuzz.ranks import run_rank_campaign
+
+            campaign = functools.partial(run_rank_campaign, ranks=run.ranks)
         try:
-            run_campaign(
+            campaign(
                 factory,
                 backend=resolve_backend(backend) if backend else run.backend,
                 max_examples=examples,

@@ -91,6 +91,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
         f"graphmode: backend={settings.backend}{asked} target={settings.target} "
         f"seed={settings.seed} ({seed_origin}) profile={settings.profile} "
         f"examples={settings.examples} steps={settings.steps}"
+        + (f" ranks={settings.ranks}" if settings.ranks > 1 else "")
     )
 
 
@@ -180,6 +181,7 @@ def _run_facts(settings: GraphmodeSettings) -> dict[str, Any]:
         "seed": settings.seed,
         "examples_per_campaign": settings.examples,
         "steps_per_example": settings.steps,
+        "ranks": settings.ranks,
     }
 
 

@@ -41,6 +41,7 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "seed": ("N", "base seed of campaigns and targets (default random, shown in the header)"),
     "report": ("PATH", "write the campaign report as JSON to PATH"),
     "profile": ("{dev,ci,nightly}", "examples and steps per campaign (default dev)"),
+    "ranks": ("N", "data-parallel ranks, one process each (default 1; gloo on sim, NCCL on cuda)"),
 }
 
 
@@ -57,6 +58,7 @@ class GraphmodeSettings:
     seed: int
     seed_given: bool
     report: Path | None
+    ranks: int = 1
 
     @cached_property
     def backend(self) -> str:
@@ -143,6 +145,7 @@ def resolve(config: pytest.Config) -> GraphmodeSettings:
         seed=seed,
         seed_given=seed_given,
         report=None if raw["report"] is None else Path(raw["report"]),
+        ranks=1 if raw["ranks"] is None else _parse_int("ranks", raw["ranks"]),
     )
 
 

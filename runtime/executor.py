@@ -25,6 +25,7 @@ from pytest_graphmode.runtime.captured_steps import (
     capture_full,
     capture_pieces,
 )
+from pytest_graphmode.runtime.data_parallel import Coordinator, DataParallel
 from pytest_graphmode.runtime.dispatch import CAPTURE_FAILED, Decision, Dispatcher
 from pytest_graphmode.runtime.executor_stats import ExecutorStats, StatsRecorder
 from pytest_graphmode.runtime.keys import GraphKey, uses_adapters
@@ -50,7 +51,9 @@ class GraphExecutor:
     serves run as PIECEWISE graphs keyed by their token count padded to a power of two (attention
     runs eagerly between the pieces); without it they run eagerly. `memory` is the graph-memory
     strategy ("separate" | "shared" | "vmm"), or "auto": vmm where it can run, else shared with a
-    warning that says why (`memory_note` keeps the reason).
+    warning that says why (`memory_note` keeps the reason). With `data_parallel` (a group of
+    more than one rank) every step is coordinated with the other ranks first (see
+    `runtime.data_parallel`); an empty batch then runs the agreed shape as a dummy batch.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class GraphExecutor:
         piecewise: bool = False,
         max_num_reqs: int | None = None,
         max_num_tokens: int | None = None,
+        data_parallel: DataParallel | None = None,
     ) -> None:
         if _normalised(decoder.device) != _normalised(backend.device):
             raise ValueError(
@@ -111,6 +115,9 @@ class GraphExecutor:
         self._failed: dict[GraphKey, str] = {}
         self._stats = StatsRecorder()
         self._closed = False
+        self.coordinator: Coordinator | None = None
+        if data_parallel is not None and data_parallel.world_size > 1:
+            self.coordinator = Coordinator(data_parallel, self.dispatcher)
 
     @property
     def graphs(self) -> tuple[GraphKey, ...]:
@@ -131,21 +138,20 @@ class GraphExecutor:
         partial values until then; they belong to no request's context yet.
         """
         self._check_open()
-        self.inputs.check(batch)  # before routing: a bad batch has no meaningful route
-        decision = self._route(batch)
-        self.inputs.stage(batch, decision.padded_reqs, decision.padded_tokens)
-        captured = fresh = None
-        if decision.key is not None:
-            captured = self._graphs.get(decision.key)
-            if captured is None:
-                fresh = self._capture(decision.key, decision.padded_reqs)
-                if fresh is None:
-                    decision = self._route(batch)
+        if self.coordinator is None:
+            self.inputs.check(batch)  # before routing: a bad batch has no meaningful route
+            decision, captured, fresh = self._prepare(batch)
+        else:
+            if batch.requests:  # an idle rank steps with an empty batch
+                self.inputs.check(batch)
+            decision, captured, fresh = self._prepare_agreed(batch, self.coordinator)
         graph = captured if captured is not None else fresh
         n = batch.num_reqs
         try:
             if graph is not None:
                 logits, next_tokens = graph.replay(n)
+            elif decision.padded_reqs == 0:  # data parallel, and no rank has work: nothing runs
+                logits, next_tokens = self._no_rows()
             else:
                 run = self._step_fn(
                     decision.padded_reqs, decision.padded_tokens, uses_adapters(batch)
@@ -170,6 +176,54 @@ class GraphExecutor:
         self._stats.graph_tokens += batch.num_tokens
         self._stats.padded_tokens += decision.padded_tokens
         return StepResult(logits, next_tokens, decision.path, graph.key, decision.reason)
+
+    def _no_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        vocab = self.decoder.config.vocab_size
+        logits = torch.empty(0, vocab, dtype=self.decoder.dtype, device=self.decoder.device)
+        return logits, torch.empty(0, dtype=torch.int64, device=self.decoder.device)
+
+    def _prepare(self, batch: Batch) -> tuple[Decision, CapturedStep | None, CapturedStep | None]:
+        """Dispatch and stage `batch`: (decision, graph held already, graph captured now). A
+        graph captured now is the caller's to keep once the step is done, or to release."""
+        decision = self._route(batch)
+        self.inputs.stage(batch, decision.padded_reqs, decision.padded_tokens)
+        if decision.key is None:
+            return decision, None, None
+        captured = self._graphs.get(decision.key)
+        if captured is not None:
+            return decision, captured, None
+        fresh = self._capture(decision.key, decision.padded_reqs)
+        if fresh is None:
+            decision = self._route(batch)
+        return decision, None, fresh
+
+    def _prepare_agreed(
+        self, batch: Batch, coordinator: Coordinator
+    ) -> tuple[Decision, CapturedStep | None, CapturedStep | None]:
+        """`_prepare` for a data-parallel rank: the path and shape are agreed with every rank,
+        and so is the outcome of a capture, so a key failed anywhere is failed everywhere."""
+        failed = self._failed
+        decision = coordinator.decide(batch, tuple(failed), len(self._graphs) + len(failed))
+        while True:
+            self.inputs.stage(batch, decision.padded_reqs, decision.padded_tokens)
+            if decision.key is None:
+                return decision, None, None
+            captured = self._graphs.get(decision.key)
+            if captured is not None:
+                return decision, captured, None
+            fresh = self._capture(decision.key, decision.padded_reqs)
+            try:
+                failed_on = coordinator.failed_ranks(fresh is not None)
+            except BaseException:  # interrupted in the collective: the step never happened
+                if fresh is not None:
+                    self._release(fresh)
+                raise
+            if not failed_on:
+                return decision, None, fresh
+            if fresh is not None:
+                self._release(fresh)
+                failed[fresh.key] = f"capture of {fresh.key} failed on ranks {failed_on}"
+            decision = coordinator.again(batch, tuple(failed))
 
     def capture_all(self, query_lens: Iterable[int] | None = None) -> None:
         """Capture every FULL decode graph ahead of time, largest first, so smaller graphs reuse

@@ -16,6 +16,7 @@ from pytest_graphmode.contract import AddressView, Batch, StepResult, TargetSpec
 from pytest_graphmode.runtime import backends
 from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.runtime.buckets import schedule
+from pytest_graphmode.runtime.data_parallel import DataParallel, current
 from pytest_graphmode.runtime.executor import GraphExecutor
 from pytest_graphmode.runtime.model import Decoder, DecoderConfig
 
@@ -36,6 +37,7 @@ class RuntimeTarget:
         max_query_len: int,
         memory: str,
         piecewise: bool,
+        data_parallel: DataParallel | None = None,
     ) -> None:
         if mode not in ("graph", "eager"):
             raise ValueError(f"mode={mode!r} must be 'graph' or 'eager'")
@@ -76,6 +78,7 @@ class RuntimeTarget:
                 piecewise=piecewise and mode == "graph",
                 max_num_reqs=max_num_reqs,
                 max_num_tokens=max_num_tokens,
+                data_parallel=data_parallel,
             )
         except BaseException:
             backend.deactivate()
@@ -133,6 +136,8 @@ def make_target(
     speculative decoding up to 3 draft tokens (query length 4), and room for eager batches of up to
     32 requests and 128 tokens above the largest graph. With `piecewise`, batches no FULL graph
     serves (prefill, mixed, oversized) replay piecewise graphs instead of running eagerly.
+    Made inside `runtime.data_parallel.joined(member)`, the target coordinates every step with the
+    other ranks of `member`'s group.
     """
     config = DecoderConfig.tiny() if config is None else config
     sizes = schedule("vllm", 16) if capture_sizes is None else list(capture_sizes)
@@ -147,4 +152,5 @@ def make_target(
         max_query_len=max_query_len,
         memory=memory,
         piecewise=piecewise,
+        data_parallel=current(),
     )

@@ -16,10 +16,12 @@ Public API (stable; the pytest plugin is built on it):
   seconds; `merge(other)` (xdist aggregation), `to_json()` and `from_json()`.
 - `Failure(check, step, message, seed, replay_snippet)`, and `GraphmodeFailure(AssertionError)`
   with `.failure` and `.stats`.
+- `CHECKS`: the name of every check a campaign can fail with, in the order they run within a
+  step: those of `registry.REGISTRY`, run by every campaign, then `registry.RANK_CHECKS`, run only
+  by data-parallel campaigns.
 
 `CampaignStats`, `Failure` and `GraphmodeFailure` live in torch-free modules and are exported from
 `pytest_graphmode` too.
-- `CHECKS`: the check names, in the order they run within a step (`registry.REGISTRY`).
 
 `factory` is a `TargetFactory`: `factory(mode, *, seed, backend) -> GraphTarget`. Every target
 made is closed, also when a check fails.
@@ -44,7 +46,9 @@ How each bug class of docs/bug-classes.md is provoked (before the arrow) and see
    -> pool_within_bound, address_views_disjoint
 10. capture coverage: fresh inputs on every replay after capture
    -> replay_matches_eager, states_match
-11. cross-rank consistency: not driven (one process, one rank)
+11. cross-rank consistency: with `ranks` > 1 (`fuzz.ranks.run_rank_campaign`), a batch per rank,
+   idle ranks, a prefill or adapter on one rank, a rank forced eager or failing its captures
+   -> ranks_agree, ranks_arrive (plus every check above on every rank)
 12. piecewise: prefill, mixed and oversized steps on a piecewise runner
    -> replay_matches_eager, kv_writes_confined
 """

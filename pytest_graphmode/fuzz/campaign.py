@@ -38,7 +38,12 @@ def target_spec(factory: TargetFactory, backend: str) -> TargetSpec:
         probe.close()
 
 
-def _restricted(spec: TargetSpec, features: frozenset[str] | None) -> TargetSpec:
+def campaign_spec(
+    factory: TargetFactory, backend: str, features: frozenset[str] | None
+) -> TargetSpec:
+    """The spec a campaign's schedules draw from: the target's, its features restricted to
+    `features` (None: all of them); asking for a feature the target lacks is a ValueError."""
+    spec = target_spec(factory, backend)
     if features is None:
         return spec
     missing = set(features) - spec.features
@@ -51,7 +56,7 @@ def _restricted(spec: TargetSpec, features: frozenset[str] | None) -> TargetSpec
 
 
 @contextmanager
-def _storage_outside_the_project() -> Iterator[None]:
+def storage_outside_the_project() -> Iterator[None]:
     """Point Hypothesis's storage directory at a temporary one for the campaign.
 
     Database or not, Hypothesis caches the constants of every module of the working directory in
@@ -92,7 +97,7 @@ def run_campaign(
     campaign runs, so a caller still holds every count when something else ends the campaign
     (Ctrl-C: `KeyboardInterrupt` passes through unchanged).
     """
-    spec = _restricted(target_spec(factory, backend), features)
+    spec = campaign_spec(factory, backend, features)
     stats = CampaignStats() if stats is None else stats
     started = time.perf_counter()
 
@@ -112,7 +117,7 @@ def run_campaign(
     if seed is not None:
         example = hypothesis.seed(seed)(example)
     try:
-        with _storage_outside_the_project():
+        with storage_outside_the_project():
             example()
     except GraphmodeFailure as failed:
         stats.failures.append(failed.failure)

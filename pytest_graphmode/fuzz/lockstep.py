@@ -36,11 +36,13 @@ def bucket_for(spec: TargetSpec, num_tokens: int) -> int:
     return next((size for size in spec.capture_sizes if size >= num_tokens), 0)
 
 
-def _snapshot(state: Mapping[str, torch.Tensor]) -> State:
+def snapshot(state: Mapping[str, torch.Tensor]) -> State:
+    """A CPU copy of a twin's `state()`, to compare with the state after a step."""
     return {key: value.detach().to("cpu", copy=True) for key, value in state.items()}
 
 
-def _step(target: GraphTarget, batch: Batch) -> Outcome:
+def step_outcome(target: GraphTarget, batch: Batch) -> Outcome:
+    """`target.step(batch)`, or the traceback of what it raised."""
     try:
         return Outcome(target.step(batch))
     except Exception:  # a runner's failure is a finding, reported with its traceback
@@ -133,11 +135,11 @@ class Lockstep:
     def _check_step(
         self, step: int, batch: Batch, kept: list[Kept]
     ) -> tuple[list[Violation], list[Kept]]:
-        graph_before, eager_before = _snapshot(self.graph.state()), _snapshot(self.eager.state())
-        graph, eager = _step(self.graph, batch), _step(self.eager, batch)
-        clean = _step(self.clean, batch)
+        graph_before, eager_before = snapshot(self.graph.state()), snapshot(self.eager.state())
+        graph, eager = step_outcome(self.graph, batch), step_outcome(self.eager, batch)
+        clean = step_outcome(self.clean, batch)
         sub = sampling_check.company_batch(batch) if self.company else None
-        company = _step(self.company, sub) if self.company and sub else None
+        company = step_outcome(self.company, sub) if self.company and sub else None
         self._count(batch, graph.result)
         now = [
             (r, (r.logits.detach().cpu().clone(), r.next_tokens.cpu().clone()), step)
@@ -153,9 +155,9 @@ class Lockstep:
             clean=clean,
             graph_before=graph_before,
             eager_before=eager_before,
-            graph_after={} if raised else _snapshot(self.graph.state()),
-            eager_after={} if raised else _snapshot(self.eager.state()),
-            clean_after={} if raised else _snapshot(self.clean.state()),
+            graph_after={} if raised else snapshot(self.graph.state()),
+            eager_after={} if raised else snapshot(self.eager.state()),
+            clean_after={} if raised else snapshot(self.clean.state()),
             views=[] if raised else self.graph.address_views(),
             kept=kept,
             company_batch=sub,

@@ -1,7 +1,10 @@
 """The checks of a step, in the order they run: the one list the lockstep driver loops over.
 
 A check's name is written once, in the module of its oracle; `CHECKS`, the statistics and the
-failure reports all take it from here.
+failure reports all take it from here. `REGISTRY` holds the checks every campaign runs on every
+step (a data-parallel campaign on every rank); `RANK_CHECKS` the ones only a data-parallel
+campaign runs, judged across ranks rather than from one rank's `Evidence` (see
+`fuzz.rank_checks`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pytest_graphmode.contract import AddressView, Batch, StepResult, TargetSpec
-from pytest_graphmode.fuzz import addresses, checks, kv_checks, sampling_check
+from pytest_graphmode.fuzz import addresses, checks, kv_checks, rank_checks, sampling_check
 from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.kv_checks import State
 from pytest_graphmode.fuzz.violation import Violation
@@ -103,4 +106,8 @@ REGISTRY: tuple[Check, ...] = (
     ),
 )
 
-CHECKS: tuple[str, ...] = tuple(check.name for check in REGISTRY)
+RANK_CHECKS: tuple[str, ...] = (rank_checks.RANKS_AGREE, rank_checks.RANKS_ARRIVE)
+"""Checks only a data-parallel campaign runs, after the checks of `REGISTRY` on every rank."""
+
+CHECKS: tuple[str, ...] = (*(check.name for check in REGISTRY), *RANK_CHECKS)
+"""Every check a campaign can fail with, in the order they run within a step."""

@@ -1,4 +1,5 @@
-"""The replay snippet of a failure: Python source that re-runs its shrunk schedule."""
+"""The replay snippet of a failure: Python source that re-runs its shrunk schedule (one list of
+events, or one per rank in a data-parallel campaign)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from pytest_graphmode.contract import Batch
 from pytest_graphmode.strategies.plans import Stress
+from pytest_graphmode.strategies.rank_schedules import RankEvent, RankFault
 
 
 def factory_reference(factory: Callable[..., Any]) -> tuple[str, str]:
@@ -31,9 +33,33 @@ def replay_snippet(
         "from pytest_graphmode.contract import Batch, Request",
         "from pytest_graphmode.fuzz import replay",
         "from pytest_graphmode.strategies.plans import Stress",
+        import_line,
     ]
-    if import_line:
-        header.append(import_line)
     body = ["events = [", *(f"    {event!r}," for event in events), "]"]
     call = f"replay(events, backend={backend!r}, seed={seed}, factory={factory_expr})"
+    return "\n".join([*header, "", *body, call])
+
+
+def replay_ranks_snippet(
+    events: Sequence[Sequence[RankEvent | RankFault]],
+    *,
+    factory: Callable[..., Any],
+    backend: str,
+    seed: int,
+) -> str:
+    """Python source that re-runs every rank's `events` (one list per rank) with every check,
+    rank checks included (runnable as is)."""
+    import_line, factory_expr = factory_reference(factory)
+    header = [
+        "from pytest_graphmode.contract import Batch, Request",
+        "from pytest_graphmode.fuzz.ranks import replay_ranks",
+        "from pytest_graphmode.strategies.plans import Stress",
+        "from pytest_graphmode.strategies.rank_schedules import RankFault",
+        import_line,
+    ]
+    body = ["events = ["]
+    for rank, mine in enumerate(events):
+        body += [f"    [  # rank {rank}", *(f"        {event!r}," for event in mine), "    ],"]
+    body.append("]")
+    call = f"replay_ranks(events, backend={backend!r}, seed={seed}, factory={factory_expr})"
     return "\n".join([*header, "", *body, call])

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest_graphmode
 from pytest_graphmode.fuzz import CHECKS
-from pytest_graphmode.fuzz.registry import REGISTRY
+from pytest_graphmode.fuzz.registry import RANK_CHECKS, REGISTRY
 
 HARNESS = Path(pytest_graphmode.__file__).parent
 
 
-def test_checks_lists_the_registry_in_order_without_repeats() -> None:
-    assert tuple(check.name for check in REGISTRY) == CHECKS
+def test_checks_lists_the_registry_in_order_then_the_rank_checks_without_repeats() -> None:
+    assert (*(check.name for check in REGISTRY), *RANK_CHECKS) == CHECKS
     assert len(set(CHECKS)) == len(CHECKS)
 
 

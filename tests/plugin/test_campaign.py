@@ -192,6 +192,7 @@ def test_json_report_holds_the_run_and_its_results(broken_run: Run) -> None:
         "seed": 1,
         "examples_per_campaign": 2,
         "steps_per_example": 3,
+        "ranks": 1,
     }
     assert report["campaigns"] == 1
     assert report["checks_run"]["replay_matches_eager"] >= 1
