@@ -1,5 +1,6 @@
-"""Data-parallel campaigns on gloo (CPU, two ranks): the harness fails every class-11 mutant with
-its check, passes the correct runtime, and reports a hanging rank instead of hanging.
+"""Data-parallel campaigns with two ranks (gloo on sim, NCCL on cuda with one GPU a rank): the
+harness fails every class-11 mutant with its check, passes the correct runtime, and reports a
+hanging rank instead of hanging.
 
 Like the single-rank mutant tests, detection tries up to three seeds: a seed alone does not pin
 what Hypothesis draws across processes.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
+import torch
 
 from pytest_graphmode.contract import TargetFactory
 from pytest_graphmode.fuzz import CHECKS, Failure, GraphmodeFailure
@@ -35,13 +37,21 @@ DETECTION_EXAMPLES = 20
 TIMEOUT = 30.0
 
 
-def _first_failure(factory: TargetFactory) -> Failure | None:
+def _needs_ranks(backend: str) -> None:
+    if backend == "cuda" and torch.cuda.device_count() < RANKS:
+        pytest.skip(f"{RANKS} ranks on cuda need {RANKS} GPUs, one a rank")
+
+
+BACKENDS = ["sim", pytest.param("cuda", marks=pytest.mark.graphmode_cuda)]
+
+
+def _first_failure(factory: TargetFactory, backend: str) -> Failure | None:
     for seed in DETECTION_SEEDS:
         try:
             run_rank_campaign(
                 factory,
                 ranks=RANKS,
-                backend="sim",
+                backend=backend,
                 seed=seed,
                 settings=detection_settings(DETECTION_EXAMPLES),
                 timeout=TIMEOUT,
@@ -51,35 +61,41 @@ def _first_failure(factory: TargetFactory) -> Failure | None:
     return None
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", MUTANTS)
-def test_the_harness_fails_the_rank_mutant_with_its_check(name: str) -> None:
+def test_the_harness_fails_the_rank_mutant_with_its_check(name: str, backend: str) -> None:
+    _needs_ranks(backend)
     module = importlib.import_module(f"tests.ranks.{name}")
-    failure = _first_failure(module.make_target)
+    failure = _first_failure(module.make_target, backend)
     assert failure is not None, f"{name} passed {len(DETECTION_SEEDS)} two-rank campaigns"
     assert failure.check in (module.EXPECTED_CHECK, *getattr(module, "ALSO_SEEN_BY", ())), (
         failure.message
     )
 
 
-def test_the_default_target_passes_a_two_rank_campaign() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_default_target_passes_a_two_rank_campaign(backend: str) -> None:
+    _needs_ranks(backend)
     stats = run_rank_campaign(
-        make_target, ranks=RANKS, backend="sim", seed=0, settings=detection_settings(3)
+        make_target, ranks=RANKS, backend=backend, seed=0, settings=detection_settings(3)
     )
     assert stats.failures == []
     assert stats.checks_run["ranks_agree"] == stats.checks_run["ranks_arrive"] == stats.steps > 0
     assert set(stats.checks_run) <= set(CHECKS)
 
 
-def _decode_schedule(steps: int) -> list[list[RankEvent | RankFault]]:
+def _decode_schedule(steps: int, backend: str) -> list[list[RankEvent | RankFault]]:
     plan = StepPlan("decode", rows=2, arrivals=(Arrival(prompt_len=1),))
     step = RankStep((plan,) * RANKS, (RankFault(),) * RANKS)
-    return compile_rank_schedule(target_spec(make_target, "sim"), [step] * steps)
+    return compile_rank_schedule(target_spec(make_target, backend), [step] * steps)
 
 
-def test_a_hanging_rank_is_reported_with_its_rank_and_step_and_the_run_ends() -> None:
-    events = _decode_schedule(hanging.HANGING_STEP + 2)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_hanging_rank_is_reported_with_its_rank_and_step_and_the_run_ends(backend: str) -> None:
+    _needs_ranks(backend)
+    events = _decode_schedule(hanging.HANGING_STEP + 2, backend)
     with pytest.raises(GraphmodeFailure) as caught:
-        replay_ranks(events, factory=hanging.make_target, backend="sim", timeout=TIMEOUT)
+        replay_ranks(events, factory=hanging.make_target, backend=backend, timeout=TIMEOUT)
     failure = caught.value.failure
     assert (failure.check, failure.step) == ("ranks_arrive", hanging.HANGING_STEP)
     assert (
