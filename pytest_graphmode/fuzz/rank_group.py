@@ -25,7 +25,8 @@ from pytest_graphmode.fuzz.rank_lockstep import Finding, RankLockstep
 from pytest_graphmode.runtime.data_parallel import DataParallel
 from pytest_graphmode.strategies.rank_schedules import RankEvent, RankFault
 
-STATUS_FIELDS = 3  # per rank: step reached, collectives entered, the one it waits in (0: none)
+# per rank: step reached, collectives entered, the one it waits in (0: none), the last one entered
+STATUS_FIELDS = 4
 COLLECTIVES = (
     "",
     "the graph twins' coordination",
@@ -80,7 +81,7 @@ class RankGroup:
         self, factory: TargetFactory, seed: int, events: list[RankEvent | RankFault]
     ) -> tuple[CampaignStats, Finding | None]:
         base = self.rank * STATUS_FIELDS
-        self.status[base], self.status[base + 1], self.status[base + 2] = -1, 0, 0
+        self.status[base : base + STATUS_FIELDS] = [-1, 0, 0, 0]
         stats = CampaignStats()
         members = tuple(
             DataParallel(self.rank, self.world, group, self.device, watch=self._watcher(which))
@@ -115,6 +116,7 @@ class RankGroup:
         def watch(moment: str) -> None:
             if moment == "enter":
                 self.status[base + 1] += 1
+                self.status[base + 3] = which
             self.status[base + 2] = which if moment == "enter" else 0
 
         return watch

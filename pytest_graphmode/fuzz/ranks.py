@@ -169,10 +169,18 @@ class RankPool:
         awaited = max(waits, key=lambda w: (waits[w], -w), default=0)
         waiting = [r for r, s in enumerate(status) if awaited and s[2] == awaited]
         missing = [r for r in range(self.ranks) if r not in waiting]
+        most = max(s[1] for s in status)
+        if not waiting and any(s[1] < most for s in status):
+            # Asynchronous collectives (NCCL) return at once: a rank that came blocks later, on
+            # the device, outside any collective call. The ranks that entered fewer collectives
+            # than the others are the ones that did not arrive at the last one the others entered.
+            waiting = [r for r, s in enumerate(status) if s[1] == most]
+            missing = [r for r, s in enumerate(status) if s[1] < most]
+            awaited = status[waiting[0]][3]
         lines = [
             f"graphmode check {RANKS_ARRIVE!r} failed at step {step} (seed {seed}): {what}",
             f"ranks {missing} did not arrive at {COLLECTIVES[awaited] or 'any collective'}"
-            + (f", which ranks {waiting} wait in" if waiting else ""),
+            + (f", which ranks {waiting} entered" if waiting else ""),
             *(
                 f"  rank {r}: reached step {s[0]}, entered {s[1]} collectives, "
                 + (f"waiting in {COLLECTIVES[s[2]]}" if s[2] else "not in a collective")
