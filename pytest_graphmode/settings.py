@@ -8,6 +8,7 @@ level: the plugin imports this module in every pytest run.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from functools import cached_property
@@ -40,7 +41,15 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "steps": ("N", "maximum steps per example (default from the profile)"),
     "seed": ("N", "base seed of campaigns and targets (default random, shown in the header)"),
     "report": ("PATH", "write the campaign report as JSON to PATH"),
-    "profile": ("{dev,ci,nightly}", "examples and steps per campaign (default dev)"),
+    "profile": (
+        "{dev,ci,nightly}",
+        "how long each campaign runs: "
+        + ", ".join(
+            f"{name} = {examples} examples of up to {steps} steps"
+            for name, (examples, steps) in PROFILES.items()
+        )
+        + " (default dev; --graphmode-examples/--graphmode-steps override)",
+    ),
 }
 
 
@@ -49,6 +58,7 @@ class GraphmodeSettings:
     """The resolved options of one run."""
 
     fuzz: bool
+    fuzz_only: bool
     target: str
     backend_option: str
     profile: str
@@ -133,8 +143,10 @@ def resolve(config: pytest.Config) -> GraphmodeSettings:
         seed = _parse_int("seed", raw["seed"], minimum=0)
     else:
         seed = random.Random().getrandbits(32)
+    fuzz_only = bool(config.getoption("graphmode_fuzz_only"))
     return GraphmodeSettings(
-        fuzz=bool(config.getoption("graphmode_fuzz")),
+        fuzz=fuzz_only or bool(config.getoption("graphmode_fuzz")),
+        fuzz_only=fuzz_only,
         target=raw["target"] or DEFAULT_TARGET,
         backend_option=backend,
         profile=profile,
@@ -144,6 +156,22 @@ def resolve(config: pytest.Config) -> GraphmodeSettings:
         seed_given=seed_given,
         report=None if raw["report"] is None else Path(raw["report"]),
     )
+
+
+def report_path_problem(path: Path) -> str | None:
+    """Why the report cannot be written to `path` (None: it can), asked before any campaign runs
+    so that a typo does not cost a whole campaign. Creates the missing parent folders, as writing
+    the report would."""
+    if path.is_dir():
+        return f"{path} is a directory; give a file name, e.g. {path / 'graphmode-report.json'}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create the folder {path.parent}: {exc.strerror or exc}"
+    target = path if path.exists() else path.parent
+    if not os.access(target, os.W_OK):
+        return f"{target} is not writable"
+    return None
 
 
 def _raw_option(config: pytest.Config, name: str) -> str | None:

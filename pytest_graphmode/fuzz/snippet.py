@@ -27,13 +27,18 @@ def replay_snippet(
 ) -> str:
     """Python source that re-runs `events` with every check (runnable as is)."""
     import_line, factory_expr = factory_reference(factory)
-    header = [
-        "from pytest_graphmode.contract import Batch, Request",
-        "from pytest_graphmode.fuzz import replay",
-        "from pytest_graphmode.strategies.plans import Stress",
-    ]
+    body = ["events = [", *(f"    {event!r}," for event in events), "]"]
+    source = "\n".join(body)
+    # Only the names the events' reprs use: an unused import is noise in a program people read
+    # and a lint error where they paste it.
+    contract = [name for name in ("Batch", "Request") if f"{name}(" in source]
+    header = []
+    if contract:
+        header.append(f"from pytest_graphmode.contract import {', '.join(contract)}")
+    header.append("from pytest_graphmode.fuzz import replay")
+    if "Stress(" in source:
+        header.append("from pytest_graphmode.strategies.plans import Stress")
     if import_line:
         header.append(import_line)
-    body = ["events = [", *(f"    {event!r}," for event in events), "]"]
     call = f"replay(events, backend={backend!r}, seed={seed}, factory={factory_expr})"
     return "\n".join([*header, "", *body, call])
