@@ -177,7 +177,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         reporter = report.node.config.pluginmanager.get_plugin("terminalreporter")  # type: ignore[attr-defined]
         if reporter is not None:
             worker = report.node.gateway.id  # type: ignore[attr-defined]
-            reporter.ensure_newline()
+            if reporter._tw.width_of_current_line:  # after xdist's progress dots
+                reporter.line("")
             reporter.write_line(f"[{worker}] {campaign_line(report.nodeid, ran)}")
 
 

@@ -40,7 +40,7 @@ def summary_lines(
         f"time: {stats.seconds:.1f} s",
         f"paths: {paths}",
         f"buckets hit: {buckets or 'none'}",
-        f"fallback causes: {fallback_causes(stats.fallback_reasons) or 'none'}",
+        f"fallback reasons: {fallback_causes(stats.fallback_reasons) or 'none'}",
         f"checks run: {_counts(stats.checks_run) or 'none'}",
     ]
     idle = [name for name in checks if not stats.checks_run.get(name)]
