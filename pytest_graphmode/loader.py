@@ -82,8 +82,13 @@ def check_twins(factory: TargetFactory, *, seed: int, backend: str) -> None:
     made: list[Any] = []
     try:
         for mode in ("graph", "eager"):
-            target = _call(f"factory({mode!r}, seed={seed}, backend={backend!r})", factory, mode,
-                           seed=seed, backend=backend)
+            target = _call(
+                f"factory({mode!r}, seed={seed}, backend={backend!r})",
+                factory,
+                mode,
+                seed=seed,
+                backend=backend,
+            )
             made.append(target)
             check_target(target)
             problems = _state_problems(target, target.spec)

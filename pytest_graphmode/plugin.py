@@ -168,18 +168,18 @@ def pytest_runtest_makereport(
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """xdist controller: one line per finished campaign, since workers draw no progress line."""
-    if getattr(report, "node", None) is None:  # not a report sent by an xdist worker
+    """xdist controller: a line per test that ran campaigns, since workers draw no progress line."""
+    node: Any = getattr(report, "node", None)
+    if node is None:  # not a report sent by an xdist worker
         return
     for key, ran in report.user_properties:
-        if key != CAMPAIGNS_PROPERTY:
+        if key != CAMPAIGNS_PROPERTY or not isinstance(ran, dict):
             continue
-        reporter = report.node.config.pluginmanager.get_plugin("terminalreporter")  # type: ignore[attr-defined]
+        reporter = node.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
-            worker = report.node.gateway.id  # type: ignore[attr-defined]
             if reporter._tw.width_of_current_line:  # after xdist's progress dots
                 reporter.line("")
-            reporter.write_line(f"[{worker}] {campaign_line(report.nodeid, ran)}")
+            reporter.write_line(f"[{node.gateway.id}] {campaign_line(report.nodeid, ran)}")
 
 
 @pytest.hookimpl(wrapper=True)

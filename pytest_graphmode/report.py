@@ -45,9 +45,7 @@ def summary_lines(
     ]
     idle = [name for name in checks if not stats.checks_run.get(name)]
     if idle and stats.steps:
-        lines.append(
-            f"not applicable (nothing to judge in this run): {', '.join(idle)}"
-        )
+        lines.append(f"not applicable (nothing to judge in this run): {', '.join(idle)}")
     lines.append(f"failures: {len(stats.failures)}")
     for failure in stats.failures:
         first_line = failure.message.splitlines()[0] if failure.message else ""

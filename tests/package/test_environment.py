@@ -15,15 +15,25 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_virtual_environment_has_its_own_pytest_script() -> None:
     script = Path(sys.prefix) / "bin" / "pytest"
     assert script.is_file(), f"{script} missing: `pytest` would resolve to another interpreter's"
-    assert Path(script.read_text().splitlines()[0].removeprefix("#!")).resolve() == Path(
-        sys.executable
-    ).resolve()
+    assert (
+        Path(script.read_text().splitlines()[0].removeprefix("#!")).resolve()
+        == Path(sys.executable).resolve()
+    )
 
 
 def test_the_projects_run_under_xdist_prints_no_benchmark_notice() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "1", "-p", "no:cacheprovider", "-q",
-         "tests/package/test_exports.py"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "1",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "tests/package/test_exports.py",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -69,8 +69,16 @@ def test_align_help_says_the_top_size_is_always_planned(
 def test_a_reader_that_stops_early_is_not_an_error(tmp_path: Path) -> None:
     # The reader is gone before the first line is written, as `| head -0` would be.
     process = subprocess.Popen(
-        [sys.executable, "-m", "pytest_graphmode.planner", "replay", "--trace",
-         f"{DATA}/conv-second-steps.txt", "--schedule", "vllm"],
+        [
+            sys.executable,
+            "-m",
+            "pytest_graphmode.planner",
+            "replay",
+            "--trace",
+            f"{DATA}/conv-second-steps.txt",
+            "--schedule",
+            "vllm",
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

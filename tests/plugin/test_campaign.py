@@ -161,7 +161,9 @@ def test_campaign_progress_into_a_log_is_plain_lines_with_the_total(passing_run:
 def test_checks_without_anything_to_judge_are_not_applicable(passing_run: Run) -> None:
     # The toy target tracks no address views.
     passing_run.fnmatch_lines(
-        ["not applicable (nothing to judge in this run): *address_views_disjoint, pool_within_bound*"]
+        [
+            "not applicable (nothing to judge in this run): *address_views_disjoint, pool_within_bound*"
+        ]
     )
     LineMatcher(passing_run.lines).no_fnmatch_line("checks run: *address_views_disjoint*")
 

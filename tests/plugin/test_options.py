@@ -5,7 +5,17 @@ import torch
 
 from tests.plugin.conftest import TOY
 
-OPTIONS = ("fuzz", "fuzz-only", "target", "backend", "examples", "steps", "seed", "report", "profile")
+OPTIONS = (
+    "fuzz",
+    "fuzz-only",
+    "target",
+    "backend",
+    "examples",
+    "steps",
+    "seed",
+    "report",
+    "profile",
+)
 
 
 def test_help_lists_every_graphmode_option(pytester: pytest.Pytester) -> None:
@@ -33,7 +43,9 @@ def test_fuzz_only_collects_just_the_builtin_suite(toy_project: pytest.Pytester)
         "--collect-only",
         "-q",
     )
-    result.stdout.fnmatch_lines(["*suite.py::test_campaign", "*4/5 tests collected (1 deselected)*"])
+    result.stdout.fnmatch_lines(
+        ["*suite.py::test_campaign", "*4/5 tests collected (1 deselected)*"]
+    )
     result.stdout.no_fnmatch_line("*test_not_fuzzing*")
 
 
