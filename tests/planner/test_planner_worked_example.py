@@ -13,7 +13,7 @@ import pytest
 from pytest_graphmode.planner._cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "planner.md"
+DOC = ROOT / "docs/planner.md"
 DATA = "planner/data/azure-2023"
 
 
