@@ -11,17 +11,32 @@ STAMP := $(VENV)/.graphmode-installed
 
 .PHONY: setup fuzz test lint bench clean
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
+# The system site packages are visible only where they hold a torch to reuse: otherwise a system
+# pytest without this plugin could shadow the environment's own. Where they are visible, pip finds
+# the system pytest and installs no `pytest` script into $(VENV)/bin, so the last step installs
+# one: after `. $(VENV)/bin/activate`, `pytest` is this environment's.
+$(STAMP): pyproject.toml Makefile
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "set-up: $(VENV) reuses the system torch $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		echo "set-up: $(VENV) (no system torch to reuse)"; \
+		$(PYTHON) -m venv $(VENV); \
+	fi
+	@$(PY) -c "import torch" 2>/dev/null || { \
+		echo "set-up: installing $(TORCH_PIN), the CPU wheel (about 200 MB: a minute or two, silent)"; \
+		$(PY) -m pip install -q $(TORCH_PIN); }
+	@echo "set-up: installing this package (editable) with its extras $(EXTRAS)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	touch $(STAMP)
+	@[ -x $(VENV)/bin/pytest ] || $(PY) -m pip install -q --ignore-installed "pytest>=8"
+	@touch $(STAMP)
+	@echo "set-up: done; '. $(VENV)/bin/activate' puts its python and pytest first on PATH"
 
 setup: $(STAMP)
 
 # The built-in suite only (this repository's own tests are `make test`), at the CI budget.
 fuzz: $(STAMP)
-	$(PY) -m pytest --graphmode-fuzz --graphmode-backend=auto --graphmode-profile=ci \
+	$(PY) -m pytest --graphmode-fuzz-only --graphmode-backend=auto --graphmode-profile=ci \
 		--pyargs pytest_graphmode._builtin.suite $(ARGS)
 
 test: $(STAMP)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -39,7 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     planning = commands.add_parser("plan", help="the exact plan and the engines' schedules")
     planning.add_argument("--histogram", required=True, type=Path, help="CSV batch_size,count")
     planning.add_argument("--max-graphs", type=int, help="at most this many graphs")
-    planning.add_argument("--align", type=int, default=1, help="sizes must be multiples of M")
+    planning.add_argument(
+        "--align",
+        type=int,
+        default=1,
+        help="sizes below the top size must be multiples of M (the top size is always planned)",
+    )
     planning.add_argument("--latency", type=Path, help="CSV size,latency: T per capture size")
     planning.add_argument("--max-size", type=int, help="top size (default: largest observed)")
     planning.add_argument("--include", type=_sizes_argument, default=[], help="sizes to keep")
@@ -201,6 +207,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = {"plan": _run_plan, "replay": _run_replay, "simulate": _run_simulate}
     try:
         return commands[args.command](args)
+    except BrokenPipeError:
+        # The reader stopped early (`| head`): not an error. Point stdout at devnull so the
+        # interpreter's final flush does not raise the same error again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ fixture is used.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import pytest
@@ -16,7 +16,7 @@ import pytest
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import GraphTarget, TargetFactory
 from pytest_graphmode.loader import TargetError, check_target
-from pytest_graphmode.report import ProgressLine
+from pytest_graphmode.report import progress_line
 from pytest_graphmode.settings import hypothesis_settings, resolve_backend, settings_of, summary_of
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class GraphmodeFuzz:
 
         run = settings_of(self._config)
         examples = run.examples if max_examples is None else max_examples
-        progress = self._progress_line(label)
+        progress = progress_line(self._config, label, planned=examples)
         stats = CampaignStats()
         campaign = run_campaign
         if run.ranks > 1:
@@ -74,7 +74,7 @@ class GraphmodeFuzz:
                 max_steps=run.steps if max_steps is None else max_steps,
                 seed=run.seed if seed is None else seed,
                 features=features,
-                progress=lambda s: progress.update(s.examples, s.steps, len(s.failures)),
+                progress=progress.update,
                 settings=settings or hypothesis_settings(examples),
                 stats=stats,
             )
@@ -86,26 +86,6 @@ class GraphmodeFuzz:
             progress.finish()
         summary_of(self._config).add_campaign(stats)
         return stats
-
-    def _progress_line(self, label: str) -> ProgressLine:
-        reporter = self._config.pluginmanager.get_plugin("terminalreporter")
-        capture = self._config.pluginmanager.get_plugin("capturemanager")
-        if reporter is None:  # nobody would see the line, e.g. on an xdist worker
-            return ProgressLine(write=lambda line: None, newline=lambda: None, label=label)
-
-        def live(draw: Callable[[], None]) -> None:
-            if capture is None:
-                draw()
-                return
-            # Output capture would swallow a line written during the test call.
-            with capture.global_and_fixture_disabled():
-                draw()
-
-        return ProgressLine(
-            write=lambda line: live(lambda: reporter.rewrite(line, erase=True)),
-            newline=lambda: live(lambda: reporter.line("")),
-            label=label,
-        )
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,9 @@ the plugin turns it into a pytest usage error that names the option.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import traceback
 from typing import Any, cast
 
 from pytest_graphmode.contract import TARGET_METHODS, TargetFactory, TargetSpec, spec_problems
@@ -68,6 +70,79 @@ def check_target(target: object) -> None:
             f"{type(target).__module__}.{type(target).__qualname__} does not follow the target "
             "contract (see docs/contract.md): " + "; ".join(problems)
         )
+
+
+def check_twins(factory: TargetFactory, *, seed: int, backend: str) -> None:
+    """Make both twins once and check them before any campaign: the contract's shape
+    (`check_target`), `state()` against the spec, and one spec for both twins.
+
+    Raises one `TargetError` naming the first thing to fix; a factory or method that raises is
+    reported as one line (exception and where it was raised), not as a traceback per test.
+    """
+    made: list[Any] = []
+    try:
+        for mode in ("graph", "eager"):
+            target = _call(
+                f"factory({mode!r}, seed={seed}, backend={backend!r})",
+                factory,
+                mode,
+                seed=seed,
+                backend=backend,
+            )
+            made.append(target)
+            check_target(target)
+            problems = _state_problems(target, target.spec)
+            if problems:
+                raise TargetError(
+                    f"the {mode} twin's state() disagrees with its spec (see docs/contract.md, "
+                    "'State is slot-major'): " + "; ".join(problems)
+                )
+        graph, eager = made
+        if graph.spec != eager.spec:
+            raise TargetError(
+                "the graph and the eager twin made with the same seed must have the same spec: "
+                f"{graph.spec} != {eager.spec}"
+            )
+    except TargetError:
+        for target in reversed(made):
+            with contextlib.suppress(Exception):  # the first problem is the one to report
+                target.close()
+        raise
+    for target in reversed(made):
+        _call(f"{type(target).__qualname__}.close()", target.close)
+
+
+def _state_problems(target: Any, spec: TargetSpec) -> list[str]:
+    state = _call(f"{type(target).__qualname__}.state()", target.state)
+    if not hasattr(state, "items"):
+        return [f"state() returned a {type(state).__name__}, not a mapping of name -> tensor"]
+    problems = []
+    for name, tensor in state.items():
+        shape = tuple(getattr(tensor, "shape", ()))
+        if not shape:
+            problems.append(f"state()[{name!r}] is a {type(tensor).__name__}, not a tensor")
+        elif shape[0] != spec.num_slots:
+            problems.append(
+                f"state()[{name!r}] has {shape[0]} rows, but spec.num_blocks * spec.block_size = "
+                f"{spec.num_blocks} * {spec.block_size} = {spec.num_slots} (the spec must describe "
+                "the runner's own KV cache)"
+            )
+    return problems
+
+
+def _call(what: str, function: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return function(*args, **kwargs)
+    except Exception as exc:
+        raise TargetError(f"{what} raised {_one_line(exc)}") from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    """`Type: message (file:line)`, the line being the innermost frame that raised."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    message = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {message[0] if message else ''}{where}"
 
 
 def _public_names(module: object) -> str:

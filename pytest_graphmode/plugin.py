@@ -18,14 +18,15 @@ import pytest
 from pytest_graphmode import fixtures
 from pytest_graphmode.campaign_stats import SessionSummary
 from pytest_graphmode.failure import GraphmodeFailure
-from pytest_graphmode.loader import TargetError
-from pytest_graphmode.report import summary_lines, write_report
+from pytest_graphmode.loader import TargetError, check_twins
+from pytest_graphmode.report import campaign_line, check_glossary, summary_lines, write_report
 from pytest_graphmode.settings import (
     OPTIONS,
     SETTINGS_KEY,
     SUMMARY_KEY,
     WORKER_SEED,
     GraphmodeSettings,
+    report_path_problem,
     resolve,
     settings_of,
     summary_of,
@@ -33,6 +34,10 @@ from pytest_graphmode.settings import (
 
 BUILTIN_SUITE = Path(__file__).parent / "_builtin" / "suite.py"
 _WORKER_SUMMARY = "graphmode_summary"
+CAMPAIGNS_PROPERTY = "graphmode_campaigns"
+"""`user_properties` key of a test report: what the test's campaigns did (an xdist worker sends it
+to the controller with the report, which prints a line for the test)."""
+_RAN = pytest.StashKey[dict[str, Any]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -42,6 +47,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         default=False,
         help="run the graph-mode fuzz campaign against the configured target",
+    )
+    group.addoption(
+        "--graphmode-fuzz-only",
+        action="store_true",
+        default=False,
+        help="--graphmode-fuzz, and deselect every test that is not a graph-mode fuzz test "
+        "(the project's own tests are collected but not run)",
     )
     for name, (metavar, text) in OPTIONS.items():
         group.addoption(f"--graphmode-{name}", default=None, metavar=metavar, help=text)
@@ -79,6 +91,24 @@ def pytest_configure(config: pytest.Config) -> None:
             config.pluginmanager.register(benchmark, "graphmode-benchmark")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Reject what would fail every campaign before the first one starts: an unwritable report
+    path, a target that breaks the contract or whose factory raises. Once per run: on the xdist
+    controller, not on every worker."""
+    config = session.config
+    settings = settings_of(config)
+    if not settings.fuzz or hasattr(config, "workerinput"):
+        return
+    if settings.report is not None:
+        problem = report_path_problem(settings.report)
+        if problem is not None:
+            raise pytest.UsageError(f"--graphmode-report / graphmode_report: {problem}")
+    try:
+        check_twins(settings.factory, seed=settings.seed, backend=settings.backend)
+    except TargetError as exc:
+        raise pytest.UsageError(f"--graphmode-target={settings.target}: {exc}") from exc
+
+
 def pytest_report_header(config: pytest.Config) -> str | None:
     settings = settings_of(config)
     if not settings.fuzz:
@@ -104,6 +134,12 @@ def pytest_collection_modifyitems(
         # A project without fuzz tests of its own gets the built-in suite; tryfirst so that -k
         # and -m can still deselect its items afterwards.
         items.extend(_builtin_items(session))
+    if settings.fuzz_only:
+        fuzz_items = [item for item in items if item.get_closest_marker("graphmode_fuzz")]
+        others = [item for item in items if not item.get_closest_marker("graphmode_fuzz")]
+        if others:
+            config.hook.pytest_deselected(items=others)
+            items[:] = fuzz_items
     if not settings.fuzz:
         off = pytest.mark.skip(reason="graph-mode fuzz test: run with --graphmode-fuzz")
         for item in items:
@@ -121,6 +157,8 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
+    if call.when == "call" and _RAN in item.stash:
+        report.user_properties.append((CAMPAIGNS_PROPERTY, item.stash[_RAN]))
     if call.excinfo is not None and report.failed:
         failure = call.excinfo.value
         if isinstance(failure, GraphmodeFailure):
@@ -128,6 +166,40 @@ def pytest_runtest_makereport(
             # the engine's traceback would only bury it.
             report.longrepr = str(failure)
     return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """xdist controller: a line per test that ran campaigns, since workers draw no progress line."""
+    node: Any = getattr(report, "node", None)
+    if node is None:  # not a report sent by an xdist worker
+        return
+    for key, ran in report.user_properties:
+        if key != CAMPAIGNS_PROPERTY or not isinstance(ran, dict):
+            continue
+        reporter = node.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            if reporter._tw.width_of_current_line:  # after xdist's progress dots
+                reporter.line("")
+            reporter.write_line(f"[{node.gateway.id}] {campaign_line(report.nodeid, ran)}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """Note what the test's campaigns did, for the line the xdist controller prints."""
+    summary = summary_of(item.config)
+    campaigns, before = summary.campaigns, summary.stats
+    try:
+        return (yield)
+    finally:
+        if hasattr(item.config, "workerinput") and summary.campaigns > campaigns:
+            after = summary.stats
+            item.stash[_RAN] = {
+                "campaigns": summary.campaigns - campaigns,
+                "examples": after.examples - before.examples,
+                "steps": after.steps - before.steps,
+                "failures": len(after.failures) - len(before.failures),
+                "seconds": round(after.seconds - before.seconds, 3),
+            }
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -167,10 +239,27 @@ def pytest_terminal_summary(
     if not (settings.fuzz or summary.campaigns) or hasattr(config, "workerinput"):
         return
     terminalreporter.write_sep("=", "graphmode fuzz summary")
-    for line in summary_lines(summary):
+    checks = _check_descriptions() if summary.campaigns else {}
+    for line in summary_lines(summary, checks=tuple(checks), base_seed=settings.seed):
+        terminalreporter.write_line(line)
+    for line in check_glossary(summary, checks, verbose=config.get_verbosity() > 0):
         terminalreporter.write_line(line)
     if settings.report is not None:
         terminalreporter.write_line(f"report: {settings.report}")
+
+
+def _check_descriptions() -> dict[str, str]:
+    """Every check's name -> the first sentence of its oracle's docstring, in registry order."""
+    from pytest_graphmode.fuzz import addresses, checks, kv_checks, sampling_check
+    from pytest_graphmode.fuzz.registry import CHECKS
+
+    modules = (checks, kv_checks, addresses, sampling_check)
+    descriptions = {}
+    for name in CHECKS:
+        oracle = next((getattr(m, name) for m in modules if hasattr(m, name)), None)
+        doc = " ".join((getattr(oracle, "__doc__", None) or "").split())
+        descriptions[name] = doc.split(". ")[0].rstrip(".") or "(no description)"
+    return descriptions
 
 
 def _run_facts(settings: GraphmodeSettings) -> dict[str, Any]:

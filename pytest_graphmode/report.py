@@ -6,20 +6,32 @@ All of them show a `SessionSummary`: every campaign of the session, merged acros
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pytest_graphmode.campaign_stats import SessionSummary
+from pytest_graphmode.campaign_stats import CampaignStats, SessionSummary
+
+if TYPE_CHECKING:
+    import pytest
 
 REPORT_VERSION = 1
 PATHS = ("full", "piecewise", "eager")
+TOP_CAUSES = 4
+"""Fallback causes shown in the summary line; the JSON report keeps every reason."""
 
 
-def summary_lines(summary: SessionSummary) -> list[str]:
-    """The terminal summary, one line per fact, most important first."""
+def summary_lines(
+    summary: SessionSummary, *, checks: Sequence[str] = (), base_seed: int | None = None
+) -> list[str]:
+    """The terminal summary, one line per fact, most important first.
+
+    `checks` (every check's name, in the registry's order) lets it name the checks that had
+    nothing to judge in this run; `base_seed` the run's seed, for the rerun hint after failures.
+    """
     stats = summary.stats
     paths = "  ".join(f"{name} {stats.paths.get(name, 0)}" for name in PATHS)
     buckets = ", ".join(f"{size}: {count}" for size, count in sorted(stats.buckets_hit.items()))
@@ -28,16 +40,68 @@ def summary_lines(summary: SessionSummary) -> list[str]:
         f"time: {stats.seconds:.1f} s",
         f"paths: {paths}",
         f"buckets hit: {buckets or 'none'}",
-        f"fallback reasons: {_counts(stats.fallback_reasons) or 'none'}",
+        f"fallback reasons: {fallback_causes(stats.fallback_reasons) or 'none'}",
         f"checks run: {_counts(stats.checks_run) or 'none'}",
-        f"failures: {len(stats.failures)}",
     ]
+    idle = [name for name in checks if not stats.checks_run.get(name)]
+    if idle and stats.steps:
+        lines.append(f"not applicable (nothing to judge in this run): {', '.join(idle)}")
+    lines.append(f"failures: {len(stats.failures)}")
     for failure in stats.failures:
         first_line = failure.message.splitlines()[0] if failure.message else ""
         lines.append(
-            f"  FAILED {failure.check} at step {failure.step} (seed {failure.seed}): {first_line}"
+            f"  FAILED {failure.check} at step {failure.step} (example seed {failure.seed}): "
+            f"{first_line}"
         )
+    if stats.failures:
+        rerun = "run a failure's replay snippet to reproduce it alone"
+        if base_seed is not None:
+            rerun += f", or --graphmode-seed={base_seed} to rerun every campaign"
+        lines.append(f"  ({rerun}; the example seed is the one in its snippet)")
     return lines
+
+
+def fallback_causes(reasons: Counter[str], top: int = TOP_CAUSES) -> str:
+    """`reasons` grouped by cause, most frequent first: the dispatcher's reasons carry the batch's
+    numbers, so each distinct batch would otherwise be its own entry."""
+    causes: Counter[str] = Counter()
+    for reason, count in reasons.items():
+        causes[fallback_cause(reason)] += count
+    shown = ", ".join(f"{cause}: {count}" for cause, count in causes.most_common(top))
+    rest = len(causes) - top
+    return f"{shown} (+{rest} more in the JSON report)" if rest > 0 else shown
+
+
+def fallback_cause(reason: str) -> str:
+    """The stable part of a fallback reason: its first clause, with numbers replaced by N
+    (`batch of 12 tokens exceeds the largest capture size 8` -> `batch of N tokens exceeds the
+    largest capture size N`)."""
+    clause = re.split(r"[;,]", reason, maxsplit=1)[0].strip()
+    return re.sub(r"\d+", "N", clause) or reason
+
+
+def check_glossary(
+    summary: SessionSummary, descriptions: Mapping[str, str], *, verbose: bool
+) -> list[str]:
+    """One line per check saying what it proves: every check with -v, else the failed ones."""
+    failed = dict.fromkeys(failure.check for failure in summary.stats.failures)
+    names = list(descriptions) if verbose else [name for name in failed if name in descriptions]
+    lines = [f"  {name}: {descriptions[name]}" for name in names]
+    if lines:
+        lines.insert(0, "what the checks prove:")
+    if not verbose:
+        lines.append("(-v explains every check)")
+    return lines
+
+
+def campaign_line(nodeid: str, data: Mapping[str, Any]) -> str:
+    """One finished test's campaigns, for the xdist controller (which draws no progress line)."""
+    failures = int(data["failures"])
+    return (
+        f"graphmode {nodeid}: {data['campaigns']} campaign(s), {data['examples']} examples, "
+        f"{data['steps']} steps, {failures} failure{'s' if failures != 1 else ''}, "
+        f"{float(data['seconds']):.1f} s"
+    )
 
 
 def write_report(path: Path, summary: SessionSummary, run: Mapping[str, Any]) -> None:
@@ -47,11 +111,19 @@ def write_report(path: Path, summary: SessionSummary, run: Mapping[str, Any]) ->
     path.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n")
 
 
-class ProgressLine:
-    """A live `graphmode: ...` line, rewritten in place at most every `interval` seconds.
+LIVE_INTERVAL = 0.5
+"""Seconds between redraws of the progress line on a terminal."""
+LOG_INTERVAL = 10.0
+"""Seconds between progress lines written into a log (not a terminal): each one stays."""
 
-    `write(text)` is the sink (the terminal reporter's rewrite); the line starts on a line of its
-    own, and the last update of a campaign is always written, followed by a newline from `finish`.
+
+class ProgressLine:
+    """A `graphmode <label>: example N of M ...` line, shown at most every `interval` seconds.
+
+    `write(text)` is the sink: on a terminal the reporter's in-place rewrite, into a log a plain
+    line of its own. The line starts on a line of its own, and the last update of a campaign is
+    always written, followed by a newline from `finish`. `planned` is the example budget, used
+    until the engine reports its own (`planned_examples`).
     """
 
     def __init__(
@@ -59,22 +131,21 @@ class ProgressLine:
         write: Callable[[str], None],
         newline: Callable[[], None],
         label: str,
-        interval: float = 0.5,
+        interval: float = LIVE_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
+        planned: int | None = None,
     ) -> None:
         self._write = write
         self._newline = newline
         self._label = label
         self._interval = interval
         self._clock = clock
+        self._planned = planned
         self._last_shown = float("-inf")
         self._pending: str | None = None
 
-    def update(self, examples: int, steps: int, failures: int) -> None:
-        line = (
-            f"graphmode {self._label}: {examples} examples, {steps} steps, "
-            f"{failures} failures so far"
-        )
+    def update(self, stats: CampaignStats) -> None:
+        line = f"graphmode {self._label}: {self._text(stats)}"
         now = self._clock()
         if now - self._last_shown >= self._interval:
             if self._last_shown == float("-inf"):
@@ -91,6 +162,60 @@ class ProgressLine:
             self._pending = None
         if self._last_shown != float("-inf"):
             self._newline()
+
+    def _text(self, stats: CampaignStats) -> str:
+        # The engine's newer fields are read with defaults: older engines lack them.
+        planned = getattr(stats, "planned_examples", 0) or self._planned
+        of = f" of {planned}" if planned else ""
+        failures = len(stats.failures)
+        text = f"example {stats.examples}{of}, {stats.steps} steps, {failures} failures"
+        found_at = getattr(stats, "first_failure_example", None)
+        if found_at is None:
+            return text
+        check = getattr(stats, "first_failure_check", None) or "a check"
+        after = getattr(stats, "first_failure_seconds", None)
+        found = f"FAILURE found by {check} at example {found_at}"
+        if after is not None:
+            found += f" after {after:.1f} s"
+        if not getattr(stats, "shrinking", False):
+            return f"{text}; {found}"
+        spent = float(getattr(stats, "shrink_seconds", 0.0))
+        budget = getattr(stats, "shrink_budget_seconds", None)
+        of_budget = f" of {budget:.0f} s" if budget else ""
+        return f"{found}; shrinking it to a minimal schedule ({spent:.0f} s{of_budget})"
+
+
+def progress_line(config: pytest.Config, label: str, planned: int | None) -> ProgressLine:
+    """The progress line of one campaign in this pytest run: redrawn in place on a terminal,
+    a plain line every `LOG_INTERVAL` seconds into a log, nothing where no reporter draws (an
+    xdist worker: the controller prints a line per finished test instead)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None:
+        return ProgressLine(write=lambda line: None, newline=lambda: None, label=label)
+
+    def shown(draw: Callable[[], None]) -> None:
+        if capture is None:
+            draw()
+            return
+        # Output capture would swallow a line written during the test call.
+        with capture.global_and_fixture_disabled():
+            draw()
+
+    if reporter.isatty():
+        return ProgressLine(
+            write=lambda line: shown(lambda: reporter.rewrite(line, erase=True)),
+            newline=lambda: shown(lambda: reporter.line("")),
+            label=label,
+            planned=planned,
+        )
+    return ProgressLine(
+        write=lambda line: shown(lambda: reporter.write_line(line)),
+        newline=lambda: None,
+        label=label,
+        interval=LOG_INTERVAL,
+        planned=planned,
+    )
 
 
 def _counts(counter: Counter[str]) -> str:

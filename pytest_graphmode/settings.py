@@ -8,6 +8,7 @@ level: the plugin imports this module in every pytest run.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from functools import cached_property
@@ -40,7 +41,15 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "steps": ("N", "maximum steps per example (default from the profile)"),
     "seed": ("N", "base seed of campaigns and targets (default random, shown in the header)"),
     "report": ("PATH", "write the campaign report as JSON to PATH"),
-    "profile": ("{dev,ci,nightly}", "examples and steps per campaign (default dev)"),
+    "profile": (
+        "{dev,ci,nightly}",
+        "how long each campaign runs: "
+        + ", ".join(
+            f"{name} = {examples} examples of up to {steps} steps"
+            for name, (examples, steps) in PROFILES.items()
+        )
+        + " (default dev; --graphmode-examples/--graphmode-steps override)",
+    ),
     "ranks": ("N", "data-parallel ranks, one process each (default 1; gloo on sim, NCCL on cuda)"),
 }
 
@@ -50,6 +59,7 @@ class GraphmodeSettings:
     """The resolved options of one run."""
 
     fuzz: bool
+    fuzz_only: bool
     target: str
     backend_option: str
     profile: str
@@ -135,8 +145,10 @@ def resolve(config: pytest.Config) -> GraphmodeSettings:
         seed = _parse_int("seed", raw["seed"], minimum=0)
     else:
         seed = random.Random().getrandbits(32)
+    fuzz_only = bool(config.getoption("graphmode_fuzz_only"))
     return GraphmodeSettings(
-        fuzz=bool(config.getoption("graphmode_fuzz")),
+        fuzz=fuzz_only or bool(config.getoption("graphmode_fuzz")),
+        fuzz_only=fuzz_only,
         target=raw["target"] or DEFAULT_TARGET,
         backend_option=backend,
         profile=profile,
@@ -147,6 +159,22 @@ def resolve(config: pytest.Config) -> GraphmodeSettings:
         report=None if raw["report"] is None else Path(raw["report"]),
         ranks=1 if raw["ranks"] is None else _parse_int("ranks", raw["ranks"]),
     )
+
+
+def report_path_problem(path: Path) -> str | None:
+    """Why the report cannot be written to `path` (None: it can), asked before any campaign runs
+    so that a typo does not cost a whole campaign. Creates the missing parent folders, as writing
+    the report would."""
+    if path.is_dir():
+        return f"{path} is a directory; give a file name, e.g. {path / 'graphmode-report.json'}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create the folder {path.parent}: {exc.strerror or exc}"
+    target = path if path.exists() else path.parent
+    if not os.access(target, os.W_OK):
+        return f"{target} is not writable"
+    return None
 
 
 def _raw_option(config: pytest.Config, name: str) -> str | None:

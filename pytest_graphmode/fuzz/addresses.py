@@ -16,6 +16,7 @@ GRANULARITY = 2 << 20
 
 
 def address_views_disjoint(views: Sequence[AddressView]) -> list[Violation]:
+    """Address views of different graphs never share virtual addresses."""
     ordered = sorted(views, key=lambda v: (v.base, v.end))
     for i, view in enumerate(ordered):
         for other in ordered[i + 1 :]:
@@ -37,6 +38,8 @@ def address_views_disjoint(views: Sequence[AddressView]) -> list[Violation]:
 def pool_within_bound(
     views: Sequence[AddressView], granularity: int = GRANULARITY
 ) -> list[Violation]:
+    """Views of one shared physical pool need no more than its largest graph (plus one
+    allocation granularity)."""
     pools: dict[str, list[AddressView]] = defaultdict(list)
     for view in views:
         if view.physical is not None:

@@ -34,6 +34,8 @@ def company_batch(batch: Batch) -> Batch | None:
 def sampling_independent(
     company_batch: Batch, company: Outcome, batch: Batch, eager: Outcome, spec: TargetSpec
 ) -> list[Violation]:
+    """A sampled request draws the same token whatever company and row it runs in, where its
+    logits agree."""
     if eager.result is None:
         return []  # replay_matches_eager reports a failing eager twin
     if company.result is None:

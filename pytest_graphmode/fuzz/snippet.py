@@ -29,15 +29,25 @@ def replay_snippet(
 ) -> str:
     """Python source that re-runs `events` with every check (runnable as is)."""
     import_line, factory_expr = factory_reference(factory)
-    header = [
-        "from pytest_graphmode.contract import Batch, Request",
-        "from pytest_graphmode.fuzz import replay",
-        "from pytest_graphmode.strategies.plans import Stress",
-        import_line,
-    ]
     body = ["events = [", *(f"    {event!r}," for event in events), "]"]
+    header = _imports("\n".join(body), "from pytest_graphmode.fuzz import replay", import_line)
     call = f"replay(events, backend={backend!r}, seed={seed}, factory={factory_expr})"
     return "\n".join([*header, "", *body, call])
+
+
+def _imports(source: str, runner: str, factory_import: str) -> list[str]:
+    """The import lines `source` needs: only the names its reprs use, since an unused import is
+    noise in a program people read and a lint error where they paste it."""
+    contract = [name for name in ("Batch", "Request") if f"{name}(" in source]
+    lines = [f"from pytest_graphmode.contract import {', '.join(contract)}"] if contract else []
+    lines.append(runner)
+    if "Stress(" in source:
+        lines.append("from pytest_graphmode.strategies.plans import Stress")
+    if "RankFault(" in source:
+        lines.append("from pytest_graphmode.strategies.rank_schedules import RankFault")
+    if factory_import:
+        lines.append(factory_import)
+    return lines
 
 
 def replay_ranks_snippet(
@@ -50,16 +60,11 @@ def replay_ranks_snippet(
     """Python source that re-runs every rank's `events` (one list per rank) with every check,
     rank checks included (runnable as is)."""
     import_line, factory_expr = factory_reference(factory)
-    header = [
-        "from pytest_graphmode.contract import Batch, Request",
-        "from pytest_graphmode.fuzz.ranks import replay_ranks",
-        "from pytest_graphmode.strategies.plans import Stress",
-        "from pytest_graphmode.strategies.rank_schedules import RankFault",
-        import_line,
-    ]
     body = ["events = ["]
     for rank, mine in enumerate(events):
         body += [f"    [  # rank {rank}", *(f"        {event!r}," for event in mine), "    ],"]
     body.append("]")
+    runner = "from pytest_graphmode.fuzz.ranks import replay_ranks"
+    header = _imports("\n".join(body), runner, import_line)
     call = f"replay_ranks(events, backend={backend!r}, seed={seed}, factory={factory_expr})"
     return "\n".join([*header, "", *body, call])

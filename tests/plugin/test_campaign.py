@@ -76,6 +76,7 @@ class Run:
     ret: int
     lines: list[str]
     path: Path
+    text: str
 
     def fnmatch_lines(self, patterns: list[str]) -> None:
         LineMatcher(self.lines).fnmatch_lines(patterns)
@@ -96,7 +97,8 @@ def run_project(tmp_path_factory: pytest.TempPathFactory, files: dict[str, str],
         check=False,
         env={**os.environ, "PYTHONPATH": str(project)},
     )
-    return Run(done.returncode, (done.stdout + done.stderr).splitlines(), project)
+    text = done.stdout + done.stderr
+    return Run(done.returncode, text.splitlines(), project, text)
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +147,25 @@ def test_a_campaign_leaves_no_hypothesis_directory_in_the_project(passing_run: R
     assert not (passing_run.path / ".hypothesis").exists()
 
 
-def test_campaign_shows_a_live_progress_line(passing_run: Run) -> None:
-    passing_run.fnmatch_lines(["*graphmode campaign: 2 examples, * steps, 0 failures so far*"])
+def test_campaign_progress_into_a_log_is_plain_lines_with_the_total(passing_run: Run) -> None:
+    # Not a terminal: each progress line is a line of its own, never redrawn with a carriage return.
+    passing_run.fnmatch_lines(
+        [
+            "graphmode campaign: example 1 of 2, * steps, 0 failures",
+            "graphmode campaign: example 2 of 2, * steps, 0 failures",
+        ]
+    )
+    assert "\r" not in passing_run.text
+
+
+def test_checks_without_anything_to_judge_are_not_applicable(passing_run: Run) -> None:
+    # The toy target tracks no address views.
+    passing_run.fnmatch_lines(
+        [
+            "not applicable (nothing to judge in this run): *address_views_disjoint, pool_within_bound*"
+        ]
+    )
+    LineMatcher(passing_run.lines).no_fnmatch_line("checks run: *address_views_disjoint*")
 
 
 def test_failed_check_fails_the_run(broken_run: Run) -> None:
@@ -177,7 +196,12 @@ def test_summary_lists_the_failure(broken_run: Run) -> None:
         [
             "*= graphmode fuzz summary =*",
             "failures: 1",
-            "  FAILED replay_matches_eager at step 0 (seed *): graphmode check*",
+            "  FAILED replay_matches_eager at step 0 (example seed *): graphmode check*",
+            "  (run a failure's replay snippet to reproduce it alone, or --graphmode-seed=1 to "
+            "rerun every campaign; the example seed is the one in its snippet)",
+            "what the checks prove:",
+            "  replay_matches_eager: Graph logits are finite and match eager within tolerance*",
+            "(-v explains every check)",
             "report: out/graphmode.json",
         ]
     )
@@ -199,6 +223,23 @@ def test_json_report_holds_the_run_and_its_results(broken_run: Run) -> None:
     [failure] = report["failures"]
     assert failure["check"] == "replay_matches_eager"
     assert "replay(events" in failure["replay_snippet"]
+
+
+def test_fuzz_only_runs_the_fuzz_tests_and_deselects_the_projects_own(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    own = "def test_not_fuzzing():\n    raise AssertionError('must not run')\n"
+    run = run_project(
+        tmp_path_factory,
+        {"test_own.py": OWN_TESTS, "test_plain.py": own},
+        f"--graphmode-target={TOY}",
+        *SMALL,
+        "--graphmode-fuzz-only",
+        "-k",
+        "with_options or not_fuzzing",
+    )
+    assert run.ret == pytest.ExitCode.OK
+    run.fnmatch_lines(["*= 1 passed, 2 deselected in *"])
 
 
 def test_graphmode_fuzz_fixture_runs_a_campaign_with_options(own_tests_run: Run) -> None:

@@ -5,7 +5,17 @@ import torch
 
 from tests.plugin.conftest import TOY
 
-OPTIONS = ("fuzz", "target", "backend", "examples", "steps", "seed", "report", "profile")
+OPTIONS = (
+    "fuzz",
+    "fuzz-only",
+    "target",
+    "backend",
+    "examples",
+    "steps",
+    "seed",
+    "report",
+    "profile",
+)
 
 
 def test_help_lists_every_graphmode_option(pytester: pytest.Pytester) -> None:
@@ -13,6 +23,30 @@ def test_help_lists_every_graphmode_option(pytester: pytest.Pytester) -> None:
     for name in OPTIONS:
         result.stdout.fnmatch_lines([f"*--graphmode-{name}*"])
     result.stdout.fnmatch_lines(["*graphmode_target (string)*", "*graphmode_profile (string)*"])
+
+
+def test_help_says_what_each_profile_means(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest("--help")
+    text = " ".join(result.stdout.str().split())
+    assert (
+        "dev = 10 examples of up to 8 steps, ci = 50 examples of up to 12 steps, nightly = 500 "
+        "examples of up to 24 steps" in text
+    )
+
+
+def test_fuzz_only_collects_just_the_builtin_suite(toy_project: pytest.Pytester) -> None:
+    toy_project.makepyfile(test_plain="def test_not_fuzzing():\n    pass\n")
+    result = toy_project.runpytest(
+        "--graphmode-fuzz-only",
+        f"--graphmode-target={TOY}",
+        "--graphmode-backend=sim",
+        "--collect-only",
+        "-q",
+    )
+    result.stdout.fnmatch_lines(
+        ["*suite.py::test_campaign", "*4/5 tests collected (1 deselected)*"]
+    )
+    result.stdout.no_fnmatch_line("*test_not_fuzzing*")
 
 
 def test_a_run_without_fuzzing_imports_no_torch(pytester: pytest.Pytester) -> None:

@@ -9,7 +9,13 @@ import pytest
 
 from pytest_graphmode.campaign_stats import CampaignStats, SessionSummary
 from pytest_graphmode.failure import Failure
-from pytest_graphmode.report import ProgressLine, summary_lines, write_report
+from pytest_graphmode.report import (
+    ProgressLine,
+    campaign_line,
+    check_glossary,
+    summary_lines,
+    write_report,
+)
 
 
 def campaign(**overrides: Any) -> CampaignStats:
@@ -66,14 +72,65 @@ def test_worker_summaries_merge_through_json() -> None:
 def test_summary_lines_show_paths_buckets_reasons_checks_and_failures() -> None:
     summary = SessionSummary()
     summary.add_campaign(campaign(buckets_hit=Counter({16: 1, 2: 3}), failures=[FAILURE]))
-    assert summary_lines(summary) == [
+    assert summary_lines(summary, base_seed=3121328572) == [
         "campaigns: 1  examples: 3  steps: 20  time: 1.5 s",
         "paths: full 15  piecewise 0  eager 5",
         "buckets hit: 2: 3, 16: 1",
         "fallback reasons: prefill: 5",
         "checks run: replay_matches_eager: 20",
         "failures: 1",
-        "  FAILED kv_writes_confined at step 2 (seed 9): slot 17 changed",
+        "  FAILED kv_writes_confined at step 2 (example seed 9): slot 17 changed",
+        "  (run a failure's replay snippet to reproduce it alone, or --graphmode-seed=3121328572 "
+        "to rerun every campaign; the example seed is the one in its snippet)",
+    ]
+
+
+def test_fallback_reasons_are_grouped_by_cause_with_the_top_few_shown() -> None:
+    reasons = Counter(
+        {
+            **{f"batch of {n} tokens exceeds the largest capture size 8": 2 for n in range(9, 40)},
+            **{
+                f"non-uniform query lengths (mixed batch), piecewise not enabled {n}": 1
+                for n in range(50)
+            },
+            "no capture sizes configured (full graphs disabled)": 3,
+            "query length 3 exceeds max_query_len=2 of the full graphs": 1,
+            "adapter 4 not captured": 1,
+        }
+    )
+    line = summary_lines(SessionSummary(1, campaign(fallback_reasons=reasons)))[3]
+    assert line == (
+        "fallback reasons: batch of N tokens exceeds the largest capture size N: 62, "
+        "non-uniform query lengths (mixed batch): 50, "
+        "no capture sizes configured (full graphs disabled): 3, "
+        "query length N exceeds max_query_len=N of the full graphs: 1 (+1 more in the JSON report)"
+    )
+
+
+def test_checks_that_judged_nothing_are_named_not_applicable() -> None:
+    summary = SessionSummary(1, campaign())
+    lines = summary_lines(
+        summary, checks=("replay_matches_eager", "address_views_disjoint", "pool_within_bound")
+    )
+    assert "checks run: replay_matches_eager: 20" in lines
+    assert (
+        "not applicable (nothing to judge in this run): address_views_disjoint, pool_within_bound"
+        in lines
+    )
+
+
+def test_glossary_explains_failed_checks_and_every_check_with_verbose() -> None:
+    summary = SessionSummary(1, campaign(failures=[FAILURE]))
+    descriptions = {"kv_writes_confined": "only valid slots change", "states_match": "same state"}
+    assert check_glossary(summary, descriptions, verbose=False) == [
+        "what the checks prove:",
+        "  kv_writes_confined: only valid slots change",
+        "(-v explains every check)",
+    ]
+    assert check_glossary(summary, descriptions, verbose=True) == [
+        "what the checks prove:",
+        "  kv_writes_confined: only valid slots change",
+        "  states_match: same state",
     ]
 
 
@@ -92,15 +149,17 @@ def test_report_file_holds_run_facts_and_results(tmp_path: Path) -> None:
 def test_progress_line_is_throttled_and_the_last_update_is_shown() -> None:
     shown: list[str] = []
     now = [0.0]
-    line = ProgressLine(shown.append, lambda: shown.append("\n"), "campaign", 1.0, lambda: now[0])
-    line.update(1, 5, 0)
+    line = ProgressLine(
+        shown.append, lambda: shown.append("\n"), "campaign", 1.0, lambda: now[0], planned=50
+    )
+    line.update(campaign(examples=1, steps=5))
     now[0] = 0.5
-    line.update(2, 9, 0)
+    line.update(campaign(examples=2, steps=9))
     line.finish()
     assert shown == [
         "\n",
-        "graphmode campaign: 1 examples, 5 steps, 0 failures so far",
-        "graphmode campaign: 2 examples, 9 steps, 0 failures so far",
+        "graphmode campaign: example 1 of 50, 5 steps, 0 failures",
+        "graphmode campaign: example 2 of 50, 9 steps, 0 failures",
         "\n",
     ]
 
@@ -111,9 +170,51 @@ def test_progress_line_drops_updates_inside_the_interval() -> None:
     line = ProgressLine(shown.append, lambda: shown.append("\n"), "campaign", 1.0, lambda: now[0])
     for examples in range(1, 5):
         now[0] = examples * 0.4
-        line.update(examples, examples, 0)
+        line.update(campaign(examples=examples, steps=examples))
     assert shown == [
         "\n",
-        "graphmode campaign: 1 examples, 1 steps, 0 failures so far",
-        "graphmode campaign: 4 examples, 4 steps, 0 failures so far",
+        "graphmode campaign: example 1, 1 steps, 0 failures",
+        "graphmode campaign: example 4, 4 steps, 0 failures",
     ]
+
+
+def test_progress_line_prefers_the_engines_planned_examples() -> None:
+    shown: list[str] = []
+    line = ProgressLine(shown.append, lambda: None, "campaign", planned=10)
+    stats = campaign(examples=3)
+    stats.planned_examples = 12  # type: ignore[attr-defined]
+    line.update(stats)
+    assert shown == ["graphmode campaign: example 3 of 12, 20 steps, 0 failures"]
+
+
+def test_progress_line_says_a_failure_was_found_while_shrinking() -> None:
+    shown: list[str] = []
+    line = ProgressLine(shown.append, lambda: None, "campaign", 0.0, planned=50)
+    stats = campaign(examples=7)
+    fields = {
+        "first_failure_example": 7,
+        "first_failure_check": "kv_writes_confined",
+        "first_failure_seconds": 4.25,
+        "shrinking": True,
+        "shrink_seconds": 12.0,
+        "shrink_budget_seconds": 60.0,
+    }
+    for name, value in fields.items():
+        setattr(stats, name, value)
+    line.update(stats)
+    stats.shrinking = False  # type: ignore[attr-defined]
+    line.update(stats)
+    assert shown == [
+        "graphmode campaign: FAILURE found by kv_writes_confined at example 7 after 4.2 s; "
+        "shrinking it to a minimal schedule (12 s of 60 s)",
+        "graphmode campaign: example 7 of 50, 20 steps, 0 failures; FAILURE found by "
+        "kv_writes_confined at example 7 after 4.2 s",
+    ]
+
+
+def test_campaign_line_sums_up_a_finished_test_for_the_xdist_controller() -> None:
+    data = {"campaigns": 1, "examples": 50, "steps": 412, "failures": 0, "seconds": 12.34}
+    assert campaign_line("suite.py::test_campaign", data) == (
+        "graphmode suite.py::test_campaign: 1 campaign(s), 50 examples, 412 steps, 0 failures, "
+        "12.3 s"
+    )

@@ -77,3 +77,14 @@ def test_controller_summary_merges_all_workers(xdist_run: tuple[Path, str]) -> N
     pytest.LineMatcher(stdout.splitlines()).fnmatch_lines(
         ["*= graphmode fuzz summary =*", "campaigns: 2  examples: 4  steps: *", "failures: 0"]
     )
+
+
+def test_controller_prints_a_line_per_finished_campaign(xdist_run: tuple[Path, str]) -> None:
+    _, stdout = xdist_run
+    for worker in ("gw0", "gw1"):
+        pytest.LineMatcher(stdout.splitlines()).fnmatch_lines(
+            [
+                f"[[]{worker}[]] graphmode test_workers.py::test_record_and_fuzz: 1 campaign(s), "
+                "2 examples, * steps, 0 failures, * s"
+            ]
+        )

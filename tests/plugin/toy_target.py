@@ -7,6 +7,7 @@ The tests copy this file into pytester's directory as `graphmode_toy.py`. `make_
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -76,3 +77,49 @@ def make_target(mode: str, *, seed: int, backend: str) -> ToyTarget:
 
 def make_broken_target(mode: str, *, seed: int, backend: str) -> ToyTarget:
     return ToyTarget(mode, seed, logit_offset=1.0 if mode == "graph" else 0.0)
+
+
+# Broken targets, each rejected before any campaign starts.
+
+
+class NoStep:
+    """Everything but `step()`."""
+
+    def __init__(self) -> None:
+        self.spec = SPEC
+
+    def state(self) -> Mapping[str, torch.Tensor]:
+        return {}
+
+    def static_buffers(self) -> Mapping[str, torch.Tensor]:
+        return {}
+
+    def address_views(self) -> Sequence[AddressView]:
+        return []
+
+    def update_weights(self, seed: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def make_target_without_step(mode: str, *, seed: int, backend: str) -> NoStep:
+    return NoStep()
+
+
+def make_target_with_too_many_blocks(mode: str, *, seed: int, backend: str) -> ToyTarget:
+    """The spec claims 32 blocks; the KV tensor has the 16 blocks' rows of `SPEC`."""
+    target = ToyTarget(mode, seed, logit_offset=0.0)
+    target.spec = dataclasses.replace(SPEC, num_blocks=32)
+    return target
+
+
+def make_raising_target(mode: str, *, seed: int, backend: str) -> ToyTarget:
+    raise RuntimeError("cannot open the model weights")
+
+
+def make_target_without_eager_twin(mode: str, *, seed: int, backend: str) -> ToyTarget:
+    if mode == "eager":
+        raise NotImplementedError("eager mode")
+    return ToyTarget(mode, seed, logit_offset=0.0)
