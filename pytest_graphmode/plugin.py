@@ -26,6 +26,7 @@ from pytest_graphmode.settings import (
     SUMMARY_KEY,
     WORKER_SEED,
     GraphmodeSettings,
+    option_flag,
     resolve,
     settings_of,
     summary_of,
@@ -44,8 +45,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the graph-mode fuzz campaign against the configured target",
     )
     for name, (metavar, text) in OPTIONS.items():
-        group.addoption(f"--graphmode-{name}", default=None, metavar=metavar, help=text)
-        parser.addini(f"graphmode_{name}", f"{text} [--graphmode-{name}]", default="")
+        flag = option_flag(name)
+        group.addoption(flag, dest=f"graphmode_{name}", default=None, metavar=metavar, help=text)
+        parser.addini(f"graphmode_{name}", f"{text} [{flag}]", default="")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -180,6 +182,8 @@ def _run_facts(settings: GraphmodeSettings) -> dict[str, Any]:
         "seed": settings.seed,
         "examples_per_campaign": settings.examples,
         "steps_per_example": settings.steps,
+        "shrink_seconds": settings.shrink_seconds,
+        "isolate": settings.isolate_option,
     }
 
 

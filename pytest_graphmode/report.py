@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pytest_graphmode.campaign_stats import SessionSummary
+from pytest_graphmode.campaign_stats import CampaignStats, SessionSummary
 
 REPORT_VERSION = 1
 PATHS = ("full", "piecewise", "eager")
@@ -32,12 +32,26 @@ def summary_lines(summary: SessionSummary) -> list[str]:
         f"checks run: {_counts(stats.checks_run) or 'none'}",
         f"failures: {len(stats.failures)}",
     ]
+    if stats.first_failure_check is not None:
+        lines.append(_first_failure_line(stats))
     for failure in stats.failures:
         first_line = failure.message.splitlines()[0] if failure.message else ""
         lines.append(
             f"  FAILED {failure.check} at step {failure.step} (seed {failure.seed}): {first_line}"
         )
     return lines
+
+
+def _first_failure_line(stats: CampaignStats) -> str:
+    if stats.shrink_stopped_by_budget:
+        shrunk = f"stopped at its {stats.shrink_budget_seconds or 0.0:g} s budget"
+    else:
+        shrunk = "finished"
+    return (
+        f"first failure: {stats.first_failure_check} at example {stats.first_failure_example} "
+        f"after {stats.first_failure_seconds or 0.0:.1f} s; shrinking {shrunk} after "
+        f"{stats.shrink_seconds:.1f} s"
+    )
 
 
 def write_report(path: Path, summary: SessionSummary, run: Mapping[str, Any]) -> None:

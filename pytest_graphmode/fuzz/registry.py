@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pytest_graphmode.contract import AddressView, Batch, StepResult, TargetSpec
-from pytest_graphmode.fuzz import addresses, checks, kv_checks, sampling_check
+from pytest_graphmode.fuzz import addresses, checks, isolation, kv_checks, sampling_check
 from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.kv_checks import State
 from pytest_graphmode.fuzz.violation import Violation
@@ -101,6 +101,9 @@ REGISTRY: tuple[Check, ...] = (
         _sampling_independent,
         applies=lambda e: e.company is not None and e.company_batch is not None,
     ),
+    # Judged outside the step, by the parent of an isolated campaign (isolation.py): a device
+    # fault ends the process that would judge it here.
+    Check(isolation.NO_DEVICE_FAULT, lambda e: [], applies=lambda e: False),
 )
 
 CHECKS: tuple[str, ...] = tuple(check.name for check in REGISTRY)

@@ -172,12 +172,24 @@ def test_failure_report_shows_the_message_instead_of_the_engine_traceback(
     LineMatcher(broken_run.lines).no_fnmatch_line("*pytest_graphmode/fuzz/*.py*")
 
 
+def test_the_first_failure_is_announced_before_it_is_shrunk(broken_run: Run) -> None:
+    broken_run.fnmatch_lines(
+        [
+            "graphmode campaign: check 'replay_matches_eager' failed at example * after * s; "
+            "shrinking for up to 20 s",
+            "*_ test_campaign _*",
+        ]
+    )
+
+
 def test_summary_lists_the_failure(broken_run: Run) -> None:
     broken_run.fnmatch_lines(
         [
             "*= graphmode fuzz summary =*",
             "failures: 1",
             "  FAILED replay_matches_eager at step 0 (seed *): graphmode check*",
+            "first failure: replay_matches_eager at example * after * s; shrinking finished "
+            "after * s",
             "report: out/graphmode.json",
         ]
     )
@@ -192,6 +204,8 @@ def test_json_report_holds_the_run_and_its_results(broken_run: Run) -> None:
         "seed": 1,
         "examples_per_campaign": 2,
         "steps_per_example": 3,
+        "shrink_seconds": 20.0,
+        "isolate": "auto",
     }
     assert report["campaigns"] == 1
     assert report["checks_run"]["replay_matches_eager"] >= 1

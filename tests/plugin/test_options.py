@@ -5,7 +5,18 @@ import torch
 
 from tests.plugin.conftest import TOY
 
-OPTIONS = ("fuzz", "target", "backend", "examples", "steps", "seed", "report", "profile")
+OPTIONS = (
+    "fuzz",
+    "target",
+    "backend",
+    "examples",
+    "steps",
+    "seed",
+    "report",
+    "profile",
+    "shrink-seconds",
+    "isolate",
+)
 
 
 def test_help_lists_every_graphmode_option(pytester: pytest.Pytester) -> None:
