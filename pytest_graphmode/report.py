@@ -32,13 +32,13 @@ def summary_lines(summary: SessionSummary) -> list[str]:
         f"checks run: {_counts(stats.checks_run) or 'none'}",
         f"failures: {len(stats.failures)}",
     ]
-    if stats.first_failure_check is not None:
-        lines.append(_first_failure_line(stats))
     for failure in stats.failures:
         first_line = failure.message.splitlines()[0] if failure.message else ""
         lines.append(
             f"  FAILED {failure.check} at step {failure.step} (seed {failure.seed}): {first_line}"
         )
+    if stats.first_failure_check is not None:
+        lines.append(_first_failure_line(stats))
     return lines
 
 

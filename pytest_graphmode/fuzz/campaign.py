@@ -108,10 +108,8 @@ def run_campaign(
 
     @hypothesis.given(plans=schedules(spec, max_steps), example_seed=st.integers(0, 2**31 - 1))
     def example(plans: list[StepPlan], example_seed: int) -> None:
-        key = (repr(plans), example_seed)
         if budget.spent():
-            budget.replay(key)
-            return
+            raise _ShrinkBudgetSpent
         events = compile_schedule(spec, plans, seed=example_seed)
         stats.examples += 1
         if on_example is not None:
@@ -120,7 +118,7 @@ def run_campaign(
         try:
             lockstep.run(events)
         except Exception as failed:
-            budget.failed(key, failed)
+            budget.failed(failed)
             raise
         finally:
             lockstep.close()
@@ -131,7 +129,10 @@ def run_campaign(
         example = hypothesis.seed(seed)(example)
     try:
         with _storage_outside_the_project(), budget.ticking():
-            example()
+            try:
+                example()
+            except _ShrinkBudgetSpent:
+                raise budget.smallest_failure() from None
     except GraphmodeFailure as failed:
         failure = budget.annotated(failed.failure)
         stats.failures.append(failure)
@@ -142,14 +143,19 @@ def run_campaign(
     return stats
 
 
+class _ShrinkBudgetSpent(BaseException):
+    """Ends Hypothesis's run from inside the test function: a `BaseException`, which Hypothesis
+    neither records as a failure nor shrinks, but lets through (as it does Ctrl-C)."""
+
+
 class _ShrinkBudget:
     """The first failure's bookkeeping, and the time limit of shrinking it.
 
-    Hypothesis has no time limit on shrinking. Once the budget is spent, the test function stops
-    running new inputs: an input it has seen fail raises that failure again, any other returns at
-    once. The shrinker then sees its remaining candidates pass immediately and stops, and its
-    final replay of the smallest failing input still fails, with the same exception, so the result
-    is deterministic (no `Flaky`).
+    Hypothesis has no time limit on shrinking. Once the budget is spent, the next call of the test
+    function ends Hypothesis's run (`_ShrinkBudgetSpent`), and the campaign reports the last
+    failure seen: the shrinker runs only inputs smaller than its current smallest failing one, so
+    the last failure is the smallest found. Ending the run, rather than letting the remaining
+    candidates pass, also skips drawing them: drawing a schedule costs a good part of an example.
     """
 
     def __init__(
@@ -161,11 +167,11 @@ class _ShrinkBudget:
     ) -> None:
         self._stats, self._started, self._limit, self._progress = stats, started, limit, progress
         self._found_at: float | None = None
-        self._seen_failing: dict[tuple[str, int], Exception] = {}
+        self._last_failure: Exception | None = None
         self._lock = threading.Lock()  # progress runs on the ticker thread too
 
-    def failed(self, key: tuple[str, int], error: Exception) -> None:
-        self._seen_failing[key] = error
+    def failed(self, error: Exception) -> None:
+        self._last_failure = error
         if self._found_at is not None:
             return
         self._found_at = time.perf_counter()
@@ -186,10 +192,9 @@ class _ShrinkBudget:
         self._stats.shrink_stopped_by_budget = True
         return True
 
-    def replay(self, key: tuple[str, int]) -> None:
-        error = self._seen_failing.get(key)
-        if error is not None:
-            raise error
+    def smallest_failure(self) -> Exception:
+        assert self._last_failure is not None  # the budget runs only once something failed
+        return self._last_failure
 
     def report(self) -> None:
         with self._lock:

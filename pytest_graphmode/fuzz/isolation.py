@@ -108,10 +108,8 @@ def run_isolated(
     kind, payload = outcome
     if kind == "done":
         return stats
-    if kind == "failure":
-        failure = Failure.from_json(payload)
-        stats.failures.append(failure)
-        raise GraphmodeFailure(failure, stats)
+    if kind == "failure":  # the child's statistics, already taken, list it
+        raise GraphmodeFailure(Failure.from_json(payload), stats)
     if kind == "error":
         raise IsolatedCampaignError(f"the campaign's child process raised:\n{payload}")
     if kind == "fault":
