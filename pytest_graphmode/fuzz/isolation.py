@@ -174,9 +174,7 @@ def _listen(
             return kind, payload
 
 
-def _fault_failure(
-    cause: str, heard: _Heard, factory: TargetFactory, backend: str
-) -> Failure:
+def _fault_failure(cause: str, heard: _Heard, factory: TargetFactory, backend: str) -> Failure:
     from pytest_graphmode.fuzz.snippet import replay_snippet
 
     if heard.seed is None or heard.step is None:
