@@ -8,13 +8,14 @@ Imports no torch.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pytest_graphmode.failure import Failure
 
 _COUNTERS = ("paths", "fallback_reasons", "checks_run")
+T = TypeVar("T")
 
 
 @dataclass
@@ -29,6 +30,15 @@ class CampaignStats:
     checks_run: Counter[str] = field(default_factory=Counter)
     failures: list[Failure] = field(default_factory=list)
     seconds: float = 0.0
+    # The first failing example, as found (before shrinking): when, which, and which check.
+    first_failure_seconds: float | None = None  # from the campaign's start
+    first_failure_example: int | None = None  # 1-based
+    first_failure_check: str | None = None
+    shrinking: bool = False  # the failure is being shrunk now
+    shrink_seconds: float = 0.0
+    shrink_budget_seconds: float | None = None  # None: unbounded
+    shrink_stopped_by_budget: bool = False
+    planned_examples: int = 0  # the example budget, for "N of M"
 
     def merge(self, other: CampaignStats) -> CampaignStats:
         """A new object holding both campaigns' counts (neither input changes)."""
@@ -41,6 +51,16 @@ class CampaignStats:
             checks_run=self.checks_run + other.checks_run,
             failures=[*self.failures, *other.failures],
             seconds=self.seconds + other.seconds,
+            # The session's first failure is the first campaign's that has one.
+            **(_first_failure(self) if self.first_failure_check else _first_failure(other)),
+            shrinking=self.shrinking or other.shrinking,
+            shrink_seconds=self.shrink_seconds + other.shrink_seconds,
+            shrink_budget_seconds=_first_set(
+                self.shrink_budget_seconds, other.shrink_budget_seconds
+            ),
+            shrink_stopped_by_budget=self.shrink_stopped_by_budget
+            or other.shrink_stopped_by_budget,
+            planned_examples=self.planned_examples + other.planned_examples,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -52,6 +72,12 @@ class CampaignStats:
             **{name: dict(sorted(getattr(self, name).items())) for name in _COUNTERS},
             "failures": [failure.to_json() for failure in self.failures],
             "seconds": round(self.seconds, 3),
+            **_first_failure(self),
+            "shrinking": self.shrinking,
+            "shrink_seconds": round(self.shrink_seconds, 3),
+            "shrink_budget_seconds": self.shrink_budget_seconds,
+            "shrink_stopped_by_budget": self.shrink_stopped_by_budget,
+            "planned_examples": self.planned_examples,
         }
 
     @classmethod
@@ -73,7 +99,38 @@ class CampaignStats:
             },
             failures=[Failure.from_json(failure) for failure in data["failures"]],
             seconds=float(data["seconds"]),
+            # Absent in reports written before these fields existed.
+            first_failure_seconds=_optional(data.get("first_failure_seconds"), float),
+            first_failure_example=_optional(data.get("first_failure_example"), int),
+            first_failure_check=_optional(data.get("first_failure_check"), str),
+            shrinking=bool(data.get("shrinking", False)),
+            shrink_seconds=float(data.get("shrink_seconds", 0.0)),
+            shrink_budget_seconds=_optional(data.get("shrink_budget_seconds"), float),
+            shrink_stopped_by_budget=bool(data.get("shrink_stopped_by_budget", False)),
+            planned_examples=int(data.get("planned_examples", 0)),
         )
+
+    def update_from(self, other: CampaignStats) -> None:
+        """Take every count of `other` (a copy of this campaign's counts from elsewhere, e.g. a
+        child process), so that whoever holds this object sees them."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(other, name))
+
+
+def _first_failure(stats: CampaignStats) -> dict[str, Any]:
+    return {
+        "first_failure_seconds": stats.first_failure_seconds,
+        "first_failure_example": stats.first_failure_example,
+        "first_failure_check": stats.first_failure_check,
+    }
+
+
+def _first_set(left: float | None, right: float | None) -> float | None:
+    return left if left is not None else right
+
+
+def _optional(value: Any, kind: Callable[[Any], T]) -> T | None:
+    return None if value is None else kind(value)
 
 
 @dataclass

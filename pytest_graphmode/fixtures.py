@@ -8,16 +8,23 @@ fixture is used.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pytest
 
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import GraphTarget, TargetFactory
+from pytest_graphmode.failure import GraphmodeFailure
 from pytest_graphmode.loader import TargetError, check_target
 from pytest_graphmode.report import progress_line
-from pytest_graphmode.settings import hypothesis_settings, resolve_backend, settings_of, summary_of
+from pytest_graphmode.settings import (
+    FAILED_CAMPAIGN_KEY,
+    hypothesis_settings,
+    resolve_backend,
+    settings_of,
+    summary_of,
+)
 
 if TYPE_CHECKING:
     from hypothesis import settings as HypothesisSettings
@@ -55,37 +62,99 @@ class GraphmodeFuzz:
         settings: HypothesisSettings | None = None,
         label: str = "campaign",
     ) -> CampaignStats:
-        from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
+        from pytest_graphmode.fuzz import run_campaign
+        from pytest_graphmode.fuzz.isolation import can_isolate, run_isolated
 
+        earlier = self._config.stash.get(FAILED_CAMPAIGN_KEY, None)
+        if earlier is not None:
+            # One failure is what a run must report; more campaigns only delay the report.
+            pytest.skip(f"graphmode: skipped after the failure of an earlier campaign: {earlier}")
         run = settings_of(self._config)
         examples = run.examples if max_examples is None else max_examples
         progress = progress_line(self._config, label, planned=examples)
+        announce = self._failure_announcement(label, run.shrink_seconds)
         stats = CampaignStats()
-        campaign = run_campaign
-        if run.ranks > 1:
+        backend_name = resolve_backend(backend) if backend else run.backend
+        if run.isolate_option == "auto":
+            # A factory that cannot reach a child process (a lambda, a local function) runs here.
+            isolate = backend_name == "cuda" and can_isolate(factory)
+        else:
+            isolate = run.isolate_option == "on"
+        campaign: Callable[..., CampaignStats] = run_isolated if isolate else run_campaign
+        if run.ranks > 1:  # rank processes are children already; they shrink without a budget
             from pytest_graphmode.fuzz.ranks import run_rank_campaign
 
             campaign = functools.partial(run_rank_campaign, ranks=run.ranks)
+        else:
+            campaign = functools.partial(campaign, shrink_seconds=run.shrink_seconds)
+
+        def on_progress(current: CampaignStats) -> None:
+            announce(current)
+            progress.update(current)
+
         try:
             campaign(
                 factory,
-                backend=resolve_backend(backend) if backend else run.backend,
+                backend=backend_name,
                 max_examples=examples,
                 max_steps=run.steps if max_steps is None else max_steps,
                 seed=run.seed if seed is None else seed,
                 features=features,
-                progress=progress.update,
+                progress=on_progress,
                 settings=settings or hypothesis_settings(examples),
                 stats=stats,
             )
-        except (GraphmodeFailure, KeyboardInterrupt):
-            # What ran until the failure or Ctrl-C belongs in the summary and the report.
+        except BaseException as ended:
+            # What ran until the failure, an error or Ctrl-C belongs in the summary and report.
             summary_of(self._config).add_campaign(stats)
+            if isinstance(ended, GraphmodeFailure):
+                failure = ended.failure
+                self._config.stash[FAILED_CAMPAIGN_KEY] = (
+                    f"{label} failed check {failure.check!r} at step {failure.step} "
+                    f"(seed {failure.seed})"
+                )
             raise
         finally:
             progress.finish()
         summary_of(self._config).add_campaign(stats)
         return stats
+
+    def _failure_announcement(
+        self, label: str, shrink_seconds: float
+    ) -> Callable[[CampaignStats], None]:
+        """A callback printing one line as soon as the campaign's first failure is found: shrinking
+        it can take a while, and the person waiting should know what is coming."""
+        reporter = self._config.pluginmanager.get_plugin("terminalreporter")
+        capture = self._config.pluginmanager.get_plugin("capturemanager")
+        announced = False
+
+        def announce(stats: CampaignStats) -> None:
+            nonlocal announced
+            if announced or stats.first_failure_check is None or reporter is None:
+                return
+            announced = True
+            then = (
+                f"shrinking for up to {shrink_seconds:g} s"
+                if shrink_seconds > 0
+                else "reporting it unshrunk"
+            )
+            line = (
+                f"graphmode {label}: check {stats.first_failure_check!r} failed at example "
+                f"{stats.first_failure_example} after {stats.first_failure_seconds or 0.0:.1f} s; "
+                f"{then}"
+            )
+            _live(capture, lambda: (reporter.line(""), reporter.line(line)))
+
+        return announce
+
+
+def _live(capture: Any, draw: Callable[[], object]) -> None:
+    """Draw on the terminal now: output capture would swallow a line written during a test."""
+    if capture is None:
+        draw()
+        return
+    with capture.global_and_fixture_disabled():
+        draw()
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ from pytest_graphmode.settings import (
     WORKER_SEED,
     GraphmodeSettings,
     report_path_problem,
+    option_flag,
     resolve,
     settings_of,
     summary_of,
@@ -56,8 +57,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "(the project's own tests are collected but not run)",
     )
     for name, (metavar, text) in OPTIONS.items():
-        group.addoption(f"--graphmode-{name}", default=None, metavar=metavar, help=text)
-        parser.addini(f"graphmode_{name}", f"{text} [--graphmode-{name}]", default="")
+        flag = option_flag(name)
+        group.addoption(flag, dest=f"graphmode_{name}", default=None, metavar=metavar, help=text)
+        parser.addini(f"graphmode_{name}", f"{text} [{flag}]", default="")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -271,6 +273,8 @@ def _run_facts(settings: GraphmodeSettings) -> dict[str, Any]:
         "examples_per_campaign": settings.examples,
         "steps_per_example": settings.steps,
         "ranks": settings.ranks,
+        "shrink_seconds": settings.shrink_seconds,
+        "isolate": settings.isolate_option,
     }
 
 

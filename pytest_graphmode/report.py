@@ -58,6 +58,8 @@ def summary_lines(
         if base_seed is not None:
             rerun += f", or --graphmode-seed={base_seed} to rerun every campaign"
         lines.append(f"  ({rerun}; the example seed is the one in its snippet)")
+    if stats.first_failure_check is not None:
+        lines.append(_first_failure_line(stats))
     return lines
 
 
@@ -101,6 +103,17 @@ def campaign_line(nodeid: str, data: Mapping[str, Any]) -> str:
         f"graphmode {nodeid}: {data['campaigns']} campaign(s), {data['examples']} examples, "
         f"{data['steps']} steps, {failures} failure{'s' if failures != 1 else ''}, "
         f"{float(data['seconds']):.1f} s"
+
+
+def _first_failure_line(stats: CampaignStats) -> str:
+    if stats.shrink_stopped_by_budget:
+        shrunk = f"stopped at its {stats.shrink_budget_seconds or 0.0:g} s budget"
+    else:
+        shrunk = "finished"
+    return (
+        f"first failure: {stats.first_failure_check} at example {stats.first_failure_example} "
+        f"after {stats.first_failure_seconds or 0.0:.1f} s; shrinking {shrunk} after "
+        f"{stats.shrink_seconds:.1f} s"
     )
 
 

@@ -27,10 +27,13 @@ if TYPE_CHECKING:
 BACKENDS = ("auto", "sim", "cuda")
 # (examples, steps per example) of each profile; --graphmode-examples/-steps override them.
 PROFILES = {"dev": (10, 8), "ci": (50, 12), "nightly": (500, 24)}
+DEFAULT_SHRINK_SECONDS = 20.0
+ISOLATE = ("auto", "on", "off")
 WORKER_SEED = "graphmode_seed"
 """The xdist controller's base seed, handed to every worker in `workerinput`."""
 
-# name -> (metavar, help); every `--graphmode-NAME` option has an ini twin `graphmode_NAME`.
+# name -> (metavar, help); every option `--graphmode-NAME` (underscores written as dashes) has an
+# ini twin `graphmode_NAME`.
 OPTIONS: dict[str, tuple[str, str]] = {
     "target": (
         "MODULE:FACTORY",
@@ -51,6 +54,16 @@ OPTIONS: dict[str, tuple[str, str]] = {
         + " (default dev; --graphmode-examples/--graphmode-steps override)",
     ),
     "ranks": ("N", "data-parallel ranks, one process each (default 1; gloo on sim, NCCL on cuda)"),
+    "shrink_seconds": (
+        "S",
+        f"time limit on shrinking a failure, in seconds (default {DEFAULT_SHRINK_SECONDS:g}; 0: "
+        "report the failure as found)",
+    ),
+    "isolate": (
+        "{auto,on,off}",
+        "run each campaign in a child process, so that a device fault is reported as a failure "
+        "and the session goes on (default auto: on for cuda, off for sim)",
+    ),
 }
 
 
@@ -68,6 +81,8 @@ class GraphmodeSettings:
     seed: int
     seed_given: bool
     report: Path | None
+    shrink_seconds: float
+    isolate_option: str  # auto: campaigns on cuda run in a child process (fuzz/isolation.py)
     ranks: int = 1
 
     @cached_property
@@ -83,6 +98,9 @@ class GraphmodeSettings:
 
 SETTINGS_KEY = pytest.StashKey[GraphmodeSettings]()
 SUMMARY_KEY = pytest.StashKey[SessionSummary]()
+FAILED_CAMPAIGN_KEY = pytest.StashKey[str]()
+"""Set by the first campaign of this process that fails: what failed, for the later ones' skip
+reason. Per process: on xdist every worker stops after its own first failure."""
 
 
 def settings_of(config: pytest.Config) -> GraphmodeSettings:
@@ -136,6 +154,11 @@ def resolve(config: pytest.Config) -> GraphmodeSettings:
         raise pytest.UsageError(
             f"--graphmode-profile / graphmode_profile: {profile!r} is not one of {tuple(PROFILES)}"
         )
+    isolate = raw["isolate"] or "auto"
+    if isolate not in ISOLATE:
+        raise pytest.UsageError(
+            f"--graphmode-isolate / graphmode_isolate: {isolate!r} is not one of {ISOLATE}"
+        )
     examples, steps = PROFILES[profile]
     workerinput = getattr(config, "workerinput", None)
     seed_given = raw["seed"] is not None
@@ -157,6 +180,8 @@ def resolve(config: pytest.Config) -> GraphmodeSettings:
         seed=seed,
         seed_given=seed_given,
         report=None if raw["report"] is None else Path(raw["report"]),
+        shrink_seconds=_parse_seconds("shrink_seconds", raw["shrink_seconds"]),
+        isolate_option=isolate,
         ranks=1 if raw["ranks"] is None else _parse_int("ranks", raw["ranks"]),
     )
 
@@ -186,6 +211,25 @@ def _raw_option(config: pytest.Config, name: str) -> str | None:
     return text or None
 
 
+def option_flag(name: str) -> str:
+    """The command-line spelling of option `name`."""
+    return f"--graphmode-{name.replace('_', '-')}"
+
+
+def _parse_seconds(name: str, text: str | None) -> float:
+    if text is None:
+        return DEFAULT_SHRINK_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise pytest.UsageError(
+            f"{option_flag(name)} / graphmode_{name}: {text!r} is not a number of seconds >= 0"
+        )
+    return value
+
+
 def _parse_int(name: str, text: str, minimum: int = 1) -> int:
     try:
         value = int(text)
@@ -193,6 +237,6 @@ def _parse_int(name: str, text: str, minimum: int = 1) -> int:
         value = minimum - 1
     if value < minimum:
         raise pytest.UsageError(
-            f"--graphmode-{name} / graphmode_{name}: {text!r} is not an integer >= {minimum}"
+            f"{option_flag(name)} / graphmode_{name}: {text!r} is not an integer >= {minimum}"
         )
     return value

@@ -5,15 +5,20 @@ collide.
 Public API (stable; the pytest plugin is built on it):
 
 - `run_campaign(factory, *, backend="sim", max_examples=50, max_steps=12, seed=None,
-  features=None, progress=None, settings=None, stats=None) -> CampaignStats`: Hypothesis draws
-  schedules of legal batches and stressors; the first failure is shrunk to its smallest schedule
-  and raised as `GraphmodeFailure` (its `.stats` holds the statistics so far). `stats` is counted
+  features=None, progress=None, settings=None, stats=None, shrink_seconds=None,
+  on_example=None) -> CampaignStats`: Hypothesis draws schedules of legal batches and stressors;
+  the first failure is shrunk to its smallest schedule (within `shrink_seconds`, when given) and
+  raised as `GraphmodeFailure` (its `.stats` holds the statistics so far). `stats` is counted
   into as the campaign runs, so its caller keeps the counts of an interrupted campaign.
+- `isolation.run_isolated(...)`: the same campaign in a child process; a device fault or a dead
+  child is a failure of `no_device_fault` (docs/ci.md, "Device faults").
 - `replay(batches, *, factory, backend="sim", seed=0) -> CampaignStats`: re-run a concrete
   schedule (a list of `Batch`, optionally with `Stress` events) with every check; a failure's
   `replay_snippet` is such a call.
 - `CampaignStats`: examples, steps, buckets_hit, paths, fallback_reasons, checks_run, failures,
-  seconds; `merge(other)` (xdist aggregation), `to_json()` and `from_json()`.
+  seconds, the first failure as found (`first_failure_seconds`, `_example`, `_check`) and its
+  shrinking (`shrinking`, `shrink_seconds`, `shrink_budget_seconds`, `shrink_stopped_by_budget`),
+  `planned_examples`; `merge(other)` (xdist aggregation), `to_json()` and `from_json()`.
 - `Failure(check, step, message, seed, replay_snippet)`, and `GraphmodeFailure(AssertionError)`
   with `.failure` and `.stats`.
 - `CHECKS`: the name of every check a campaign can fail with, in the order they run within a

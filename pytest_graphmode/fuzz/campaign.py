@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import hypothesis
 from hypothesis import strategies as st
 
 from pytest_graphmode.campaign_stats import CampaignStats
-from pytest_graphmode.contract import TargetFactory, TargetSpec
-from pytest_graphmode.failure import GraphmodeFailure
+from pytest_graphmode.contract import Batch, TargetFactory, TargetSpec
+from pytest_graphmode.failure import Failure, GraphmodeFailure
 from pytest_graphmode.fuzz.lockstep import Lockstep
 from pytest_graphmode.settings import hypothesis_settings
-from pytest_graphmode.strategies.plans import StepPlan
+from pytest_graphmode.strategies.plans import StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
 from pytest_graphmode.strategies.schedules import schedules
 
@@ -87,6 +88,8 @@ def run_campaign(
     progress: Callable[[CampaignStats], None] | None = None,
     settings: hypothesis.settings | None = None,
     stats: CampaignStats | None = None,
+    shrink_seconds: float | None = None,
+    on_example: Callable[[int, Sequence[Batch | Stress]], None] | None = None,
 ) -> CampaignStats:
     """Fuzz `factory`'s targets; return the statistics, or raise `GraphmodeFailure` (carrying
     them as `.stats`) for the first failure, shrunk to its smallest schedule.
@@ -95,34 +98,154 @@ def run_campaign(
     when given, replaces the default Hypothesis settings entirely (`max_examples` is then
     ignored). `seed` makes the campaign reproducible. `stats`, when given, is counted into as the
     campaign runs, so a caller still holds every count when something else ends the campaign
-    (Ctrl-C: `KeyboardInterrupt` passes through unchanged).
+    (Ctrl-C: `KeyboardInterrupt` passes through unchanged). `progress` is called after every
+    example, once as soon as the first failure is found, and at least once a second while it is
+    shrunk. `shrink_seconds` bounds the shrinking (None: Hypothesis shrinks until done; 0: the
+    failure is reported as found). `on_example(seed, events)` is called before each example runs.
     """
     spec = campaign_spec(factory, backend, features)
     stats = CampaignStats() if stats is None else stats
     started = time.perf_counter()
+    chosen = settings or hypothesis_settings(max_examples)
+    stats.planned_examples = chosen.max_examples
+    stats.shrink_budget_seconds = shrink_seconds
+    budget = _ShrinkBudget(stats, started, shrink_seconds, progress)
 
     @hypothesis.given(plans=schedules(spec, max_steps), example_seed=st.integers(0, 2**31 - 1))
     def example(plans: list[StepPlan], example_seed: int) -> None:
+        if budget.spent():
+            raise _ShrinkBudgetSpent
         events = compile_schedule(spec, plans, seed=example_seed)
         stats.examples += 1
+        if on_example is not None:
+            on_example(example_seed, events)
         lockstep = Lockstep(factory, backend=backend, seed=example_seed, stats=stats)
         try:
             lockstep.run(events)
+        except Exception as failed:
+            budget.failed(failed)
+            raise
         finally:
             lockstep.close()
-            if progress is not None:
-                progress(stats)
+            budget.report()
 
-    example = (settings or hypothesis_settings(max_examples))(example)
+    example = chosen(example)
     if seed is not None:
         example = hypothesis.seed(seed)(example)
     try:
-        with storage_outside_the_project():
-            example()
+        with storage_outside_the_project(), budget.ticking():
+            try:
+                example()
+            except _ShrinkBudgetSpent:
+                raise budget.smallest_failure() from None
     except GraphmodeFailure as failed:
-        stats.failures.append(failed.failure)
-        failed.stats = stats
-        raise
+        failure = budget.annotated(failed.failure)
+        stats.failures.append(failure)
+        raise GraphmodeFailure(failure, stats) from None
     finally:
+        budget.finish()
         stats.seconds += time.perf_counter() - started
     return stats
+
+
+class _ShrinkBudgetSpent(BaseException):
+    """Ends Hypothesis's run from inside the test function: a `BaseException`, which Hypothesis
+    neither records as a failure nor shrinks, but lets through (as it does Ctrl-C)."""
+
+
+class _ShrinkBudget:
+    """The first failure's bookkeeping, and the time limit of shrinking it.
+
+    Hypothesis has no time limit on shrinking. Once the budget is spent, the next call of the test
+    function ends Hypothesis's run (`_ShrinkBudgetSpent`), and the campaign reports the last
+    failure seen: the shrinker runs only inputs smaller than its current smallest failing one, so
+    the last failure is the smallest found. Ending the run, rather than letting the remaining
+    candidates pass, also skips drawing them: drawing a schedule costs a good part of an example.
+    """
+
+    def __init__(
+        self,
+        stats: CampaignStats,
+        started: float,
+        limit: float | None,
+        progress: Callable[[CampaignStats], None] | None,
+    ) -> None:
+        self._stats, self._started, self._limit, self._progress = stats, started, limit, progress
+        self._found_at: float | None = None
+        self._last_failure: Exception | None = None
+        self._lock = threading.Lock()  # progress runs on the ticker thread too
+
+    def failed(self, error: Exception) -> None:
+        self._last_failure = error
+        if self._found_at is not None:
+            return
+        self._found_at = time.perf_counter()
+        stats = self._stats
+        stats.first_failure_seconds = self._found_at - self._started
+        stats.first_failure_example = stats.examples
+        stats.first_failure_check = (
+            error.failure.check if isinstance(error, GraphmodeFailure) else type(error).__name__
+        )
+        stats.shrinking = True
+        self.report()
+
+    def spent(self) -> bool:
+        if self._found_at is None or self._limit is None:
+            return False
+        if time.perf_counter() - self._found_at < self._limit:
+            return False
+        self._stats.shrink_stopped_by_budget = True
+        return True
+
+    def smallest_failure(self) -> Exception:
+        assert self._last_failure is not None  # the budget runs only once something failed
+        return self._last_failure
+
+    def report(self) -> None:
+        with self._lock:
+            if self._found_at is not None and self._stats.shrinking:
+                self._stats.shrink_seconds = time.perf_counter() - self._found_at
+            if self._progress is not None:
+                self._progress(self._stats)
+
+    @contextmanager
+    def ticking(self) -> Iterator[None]:
+        """Report progress every second while shrinking, also during a long example."""
+        done = threading.Event()
+
+        def tick() -> None:
+            while not done.wait(1.0):
+                if self._stats.shrinking:
+                    self.report()
+
+        ticker = threading.Thread(target=tick, name="graphmode-shrink-progress", daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()
+
+    def finish(self) -> None:
+        with self._lock:
+            if self._stats.shrinking and self._found_at is not None:
+                self._stats.shrink_seconds = time.perf_counter() - self._found_at
+                self._stats.shrinking = False
+
+    def annotated(self, failure: Failure) -> Failure:
+        """`failure` with a line saying how its schedule was shrunk."""
+        self.finish()
+        stats = self._stats
+        took = f"{stats.shrink_seconds:.1f} s"
+        if stats.shrink_stopped_by_budget:
+            line = (
+                f"shrinking stopped at its budget of {self._limit:g} s after {took}: the schedule "
+                "is the smallest found by then (--graphmode-shrink-seconds gives more time)"
+            )
+        else:
+            line = f"shrinking finished in {took}"
+        found = (
+            f"first failing example: {stats.first_failure_example}, found after "
+            f"{stats.first_failure_seconds or 0.0:.1f} s"
+        )
+        return dataclasses.replace(failure, message=f"{failure.message}\n{found}; {line}")

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from pytest_graphmode.contract import AddressView, Batch, StepResult, TargetSpec
-from pytest_graphmode.fuzz import addresses, checks, kv_checks, rank_checks, sampling_check
+from pytest_graphmode.fuzz import (
+    addresses,
+    checks,
+    isolation,
+    kv_checks,
+    rank_checks,
+    sampling_check,
+)
 from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.kv_checks import State
 from pytest_graphmode.fuzz.violation import Violation
@@ -117,6 +124,9 @@ REGISTRY: tuple[Check, ...] = (
         lambda e: addresses.pool_within_bound(e.views),
         applies=lambda e: bool(e.views),
     ),
+    # Judged outside the step, by the parent of an isolated campaign (isolation.py): a device
+    # fault ends the process that would judge it here.
+    Check(isolation.NO_DEVICE_FAULT, lambda e: [], applies=lambda e: False),
 )
 
 RANK_CHECKS: tuple[str, ...] = (rank_checks.RANKS_AGREE, rank_checks.RANKS_ARRIVE)

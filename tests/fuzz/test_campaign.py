@@ -11,6 +11,7 @@ from hypothesis import Phase, configuration
 
 from pytest_graphmode.contract import Batch
 from pytest_graphmode.fuzz import CHECKS, CampaignStats, GraphmodeFailure, run_campaign
+from pytest_graphmode.fuzz.isolation import NO_DEVICE_FAULT
 from pytest_graphmode.fuzz.registry import RANK_CHECKS
 from tests.fuzz import toy
 
@@ -26,7 +27,8 @@ def test_a_correct_runner_passes_and_every_check_but_the_rank_checks_runs():
     )
     assert stats.examples == 6 and seen == [1, 2, 3, 4, 5, 6]
     assert stats.steps >= 6 and stats.failures == []
-    assert set(stats.checks_run) == set(CHECKS) - set(RANK_CHECKS)
+    # no_device_fault is judged only by the parent of an isolated campaign (test_isolation.py).
+    assert set(stats.checks_run) == set(CHECKS) - set(RANK_CHECKS) - {NO_DEVICE_FAULT}
     assert sum(stats.buckets_hit.values()) == stats.steps == sum(stats.paths.values())
 
 
@@ -45,6 +47,40 @@ def test_a_broken_runner_fails_with_stats_attached():
     stats = caught.value.stats
     assert stats is not None and stats.failures == [caught.value.failure]
     assert caught.value.failure.check == "replay_matches_eager"
+
+
+def test_a_zero_shrink_budget_reports_the_failure_as_found():
+    heard: list[tuple[int, str | None, bool]] = []
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(
+            toy.factory(["drift"]),
+            max_examples=10,
+            max_steps=4,
+            seed=1,
+            shrink_seconds=0,
+            progress=lambda s: heard.append((s.examples, s.first_failure_check, s.shrinking)),
+        )
+    stats = caught.value.stats
+    assert stats is not None
+    # No input ran after the first failing one, and the final replay still failed (no Flaky).
+    assert stats.examples == stats.first_failure_example
+    assert stats.first_failure_check == caught.value.failure.check == "replay_matches_eager"
+    assert stats.first_failure_seconds is not None
+    assert (stats.shrink_stopped_by_budget, stats.shrinking) == (True, False)
+    assert (stats.shrink_budget_seconds, stats.planned_examples) == (0, 10)
+    assert "shrinking stopped at its budget of 0 s" in caught.value.failure.message
+    # The failure was announced while shrinking, before the campaign ended.
+    assert (stats.examples, "replay_matches_eager", True) in heard
+
+
+def test_an_unbounded_shrink_says_it_finished():
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(toy.factory(["drift"]), max_examples=10, max_steps=3, seed=1)
+    stats = caught.value.stats
+    assert stats is not None and stats.first_failure_example is not None
+    assert stats.examples > stats.first_failure_example  # shrinking ran more examples
+    assert not stats.shrink_stopped_by_budget and stats.shrink_budget_seconds is None
+    assert "; shrinking finished in " in caught.value.failure.message
 
 
 def test_shrinking_leaves_a_single_step_of_batch_literals():
@@ -66,7 +102,10 @@ def test_a_failure_drawn_from_the_global_generator_replays_with_the_same_values(
     with pytest.raises(GraphmodeFailure) as again:
         exec(snippet, {"toy": toy})
     assert "differs from eager" in failure.message
-    assert again.value.failure.message == failure.message
+    # The campaign's message adds one last line, on how the failure was found and shrunk.
+    found, shrunk = failure.message.rsplit("\n", 1)
+    assert shrunk.startswith("first failing example: ")
+    assert again.value.failure.message == found
 
 
 def interrupted_after(graph_steps: int):

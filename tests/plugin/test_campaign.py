@@ -191,6 +191,16 @@ def test_failure_report_shows_the_message_instead_of_the_engine_traceback(
     LineMatcher(broken_run.lines).no_fnmatch_line("*pytest_graphmode/fuzz/*.py*")
 
 
+def test_the_first_failure_is_announced_before_it_is_shrunk(broken_run: Run) -> None:
+    broken_run.fnmatch_lines(
+        [
+            "graphmode campaign: check 'replay_matches_eager' failed at example * after * s; "
+            "shrinking for up to 20 s",
+            "*_ test_campaign _*",
+        ]
+    )
+
+
 def test_summary_lists_the_failure(broken_run: Run) -> None:
     broken_run.fnmatch_lines(
         [
@@ -199,6 +209,8 @@ def test_summary_lists_the_failure(broken_run: Run) -> None:
             "  FAILED replay_matches_eager at step 0 (example seed *): graphmode check*",
             "  (run a failure's replay snippet to reproduce it alone, or --graphmode-seed=1 to "
             "rerun every campaign; the example seed is the one in its snippet)",
+            "first failure: replay_matches_eager at example * after * s; shrinking finished "
+            "after * s",
             "what the checks prove:",
             "  replay_matches_eager: Graph logits are finite and match eager within tolerance*",
             "(-v explains every check)",
@@ -217,6 +229,8 @@ def test_json_report_holds_the_run_and_its_results(broken_run: Run) -> None:
         "examples_per_campaign": 2,
         "steps_per_example": 3,
         "ranks": 1,
+        "shrink_seconds": 20.0,
+        "isolate": "auto",
     }
     assert report["campaigns"] == 1
     assert report["checks_run"]["replay_matches_eager"] >= 1

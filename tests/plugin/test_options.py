@@ -15,6 +15,8 @@ OPTIONS = (
     "seed",
     "report",
     "profile",
+    "shrink-seconds",
+    "isolate",
 )
 
 

@@ -1,0 +1,331 @@
+"""`run_isolated`: a campaign in a child process, so that a device fault ends the child, not the
+test session.
+
+An out-of-bounds index on the GPU is an illegal memory access or a device-side assert: it poisons
+the process's CUDA context for good, and may abort the process outright. Run in-process, such a
+runner ends the session with a raw error, or with no summary and no report at all. Here the
+campaign runs in a child process (started with `spawn`: a forked child cannot use CUDA) that
+streams back its statistics after every example and, before every step, which step of which
+example it is running. When the child dies, or reports that the device faulted, the parent turns
+what it last heard into a failure of the check `no_device_fault`, with the step, the schedule up to
+that step and its replay snippet, and the next campaign starts in a fresh child.
+
+A device fault is not shrunk: once the context is poisoned, every later input fails too, and
+shrinking would "find" a meaningless smallest schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import hypothesis
+
+from pytest_graphmode.campaign_stats import CampaignStats
+from pytest_graphmode.contract import Batch, GraphTarget, TargetFactory
+from pytest_graphmode.failure import Failure, GraphmodeFailure
+from pytest_graphmode.strategies.plans import Stress
+
+NO_DEVICE_FAULT = "no_device_fault"
+SILENCE_LIMIT_SECONDS = 600.0
+"""How long the child may send nothing (no step started, no example finished) before the parent
+gives up on it: a step that hangs on the device never returns."""
+_FAULT_EXIT = 70
+
+
+class IsolatedCampaignError(RuntimeError):
+    """The campaign raised in its child process something other than a failed check (a broken
+    factory, a harness error); the message holds the child's traceback."""
+
+
+def can_isolate(factory: TargetFactory) -> bool:
+    """Whether `factory` can be sent to a child process (importable by name, or a partial of
+    something that is)."""
+    try:
+        pickle.dumps(factory)
+    except Exception:  # pickling raises several types, all meaning "not by reference"
+        return False
+    return True
+
+
+def run_isolated(
+    factory: TargetFactory,
+    *,
+    backend: str = "sim",
+    max_examples: int = 50,
+    max_steps: int = 12,
+    seed: int | None = None,
+    features: frozenset[str] | None = None,
+    progress: Callable[[CampaignStats], None] | None = None,
+    settings: hypothesis.settings | None = None,
+    stats: CampaignStats | None = None,
+    shrink_seconds: float | None = None,
+    silence_limit: float = SILENCE_LIMIT_SECONDS,
+) -> CampaignStats:
+    """`run_campaign` with the same arguments, run in a child process; a child that faults or
+    dies is a `GraphmodeFailure` of `no_device_fault`. `factory` must pickle (`can_isolate`)."""
+    if not can_isolate(factory):
+        raise TypeError(
+            f"{factory!r} cannot be sent to a child process: an isolated campaign needs a target "
+            "factory importable by name (a module-level function, or functools.partial of one); "
+            "use --graphmode-isolate=off to run it in this process"
+        )
+    stats = CampaignStats() if stats is None else stats
+    arguments = dict(
+        backend=backend,
+        max_examples=max_examples,
+        max_steps=max_steps,
+        seed=seed,
+        features=features,
+        settings=settings,
+        shrink_seconds=shrink_seconds,
+    )
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(
+        target=_child_main, args=(sender, factory, arguments), name="graphmode-campaign"
+    )
+    started = time.perf_counter()
+    child.start()
+    sender.close()  # the child holds the only sending end: its death closes the pipe
+    heard = _Heard()
+    try:
+        outcome = _listen(receiver, child, stats, progress, heard, silence_limit)
+    finally:
+        if child.is_alive():  # Ctrl-C, or the child went silent
+            child.kill()
+        child.join()
+        receiver.close()
+    kind, payload = outcome
+    if kind == "done":
+        return stats
+    if kind == "failure":  # the child's statistics, already taken, list it
+        raise GraphmodeFailure(Failure.from_json(payload), stats)
+    if kind == "error":
+        raise IsolatedCampaignError(f"the campaign's child process raised:\n{payload}")
+    if kind == "fault":
+        cause = f"the device faulted:\n{payload}"
+    elif kind == "silent":
+        cause = f"the campaign's child process sent nothing for {silence_limit:g} s and was killed"
+    else:
+        cause = f"the campaign's child process died ({_exit_reason(child.exitcode)})"
+    failure = _fault_failure(cause, heard, factory, backend)
+    if stats.first_failure_check is None:
+        stats.first_failure_seconds = time.perf_counter() - started
+        stats.first_failure_example = stats.examples
+        stats.first_failure_check = NO_DEVICE_FAULT
+    stats.shrinking = False
+    stats.failures.append(failure)
+    if progress is not None:
+        progress(stats)
+    raise GraphmodeFailure(failure, stats)
+
+
+@dataclass
+class _Heard:
+    """The last example and step the child said it was running."""
+
+    seed: int | None = None
+    events: Sequence[Batch | Stress] = field(default_factory=list)
+    step: int | None = None
+
+
+def _listen(
+    receiver: Connection,
+    child: multiprocessing.process.BaseProcess,
+    stats: CampaignStats,
+    progress: Callable[[CampaignStats], None] | None,
+    heard: _Heard,
+    silence_limit: float,
+) -> tuple[str, Any]:
+    """Relay the child's messages until it reports an end or stops talking."""
+    last = time.monotonic()
+    while True:
+        if not receiver.poll(1.0):
+            if not child.is_alive() and not receiver.poll(0):
+                return "died", None
+            if time.monotonic() - last > silence_limit:
+                return "silent", None
+            continue
+        try:
+            kind, payload, counted = receiver.recv()
+        except EOFError:  # the child is gone; whatever it sent before has been read
+            return "died", None
+        last = time.monotonic()
+        if counted is not None:
+            stats.update_from(CampaignStats.from_json(counted))
+        if kind == "example":
+            heard.seed, heard.events, heard.step = payload[0], payload[1], None
+        elif kind == "step":
+            heard.step = payload
+        elif kind == "progress":
+            if progress is not None:
+                progress(stats)
+        else:
+            return kind, payload
+
+
+def _fault_failure(cause: str, heard: _Heard, factory: TargetFactory, backend: str) -> Failure:
+    from pytest_graphmode.fuzz.snippet import replay_snippet
+
+    if heard.seed is None or heard.step is None:
+        where = "before the first step of an example (making or preparing the targets)"
+        step = 0
+        snippet = ""
+        schedule: list[str] = []
+    else:
+        step = heard.step
+        batches = [index for index, event in enumerate(heard.events) if isinstance(event, Batch)]
+        events = heard.events[: batches[step] + 1]
+        batch = heard.events[batches[step]]
+        assert isinstance(batch, Batch)
+        where = (
+            f"at step {step} (seed {heard.seed}): {batch.num_reqs} requests, "
+            f"{batch.num_tokens} tokens, phase {batch.phase}, query lengths {batch.query_lens}"
+        )
+        snippet = replay_snippet(events, factory=factory, backend=backend, seed=heard.seed)
+        schedule = [
+            "the schedule up to that step, not shrunk (a faulted device fails every later input); "
+            "replay it in a fresh process with:",
+            snippet,
+        ]
+    message = "\n".join(
+        [
+            f"graphmode check {NO_DEVICE_FAULT!r} failed {where}",
+            cause,
+            *schedule,
+        ]
+    )
+    return Failure(NO_DEVICE_FAULT, step, message, heard.seed, snippet)
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _child_main(sender: Connection, factory: TargetFactory, arguments: dict[str, Any]) -> None:
+    """The child: run the campaign, telling the parent what it is doing as it goes."""
+    from pytest_graphmode.fuzz.campaign import run_campaign
+
+    # Ctrl-C reaches the whole process group; the parent decides, and kills this process.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    backend = str(arguments["backend"])
+    stats = CampaignStats()
+    watch = _Watch(sender, stats, backend)
+    try:
+        run_campaign(
+            watch.factory(factory),
+            progress=lambda current: sender.send(("progress", None, current.to_json())),
+            stats=stats,
+            on_example=watch.example,
+            **arguments,
+        )
+    except GraphmodeFailure as failed:
+        watch.probe()
+        sender.send(("failure", failed.failure.to_json(), stats.to_json()))
+    except BaseException as error:
+        if _is_device_fault(error):
+            watch.fault(error)
+        watch.probe()
+        sender.send(("error", traceback.format_exc(), stats.to_json()))
+    else:
+        watch.probe()
+        sender.send(("done", None, stats.to_json()))
+    sender.close()
+
+
+class _Watch:
+    """The child's reports: each example's events, each step before it runs, device faults."""
+
+    def __init__(self, sender: Connection, stats: CampaignStats, backend: str) -> None:
+        self._sender, self._stats, self._backend = sender, stats, backend
+        self._batches: list[Batch] = []
+        self._step: int | None = None
+
+    def factory(self, factory: TargetFactory) -> TargetFactory:
+        """`factory`, its targets reporting each step before running it. Keeps the factory's
+        name, which the replay snippets of ordinary failures import."""
+
+        @functools.wraps(factory)
+        def watched(mode: Any, *, seed: int, backend: str) -> GraphTarget:
+            return _WatchedTarget(factory(mode, seed=seed, backend=backend), self)
+
+        return watched
+
+    def example(self, seed: int, events: Sequence[Batch | Stress]) -> None:
+        self.probe()  # a fault surfacing late belongs to the example before this one
+        self._batches = [event for event in events if isinstance(event, Batch)]
+        self._step = None
+        self._sender.send(("example", (seed, list(events)), None))
+
+    def stepping(self, batch: Batch) -> None:
+        step = next((i for i, known in enumerate(self._batches) if known is batch), None)
+        if step is None or step == self._step:
+            return  # another twin of the same step, or a batch derived from it
+        self._step = step
+        self._stats.checks_run[NO_DEVICE_FAULT] += 1
+        self._sender.send(("step", step, self._stats.to_json()))
+
+    def probe(self) -> None:
+        """On cuda, raise nothing but report and exit when the device has faulted."""
+        if self._backend != "cuda":
+            return
+        import torch
+
+        try:
+            torch.cuda.synchronize()
+        except Exception as error:  # the context is poisoned: nothing more can run here
+            self.fault(error)
+
+    def fault(self, error: BaseException) -> None:
+        text = "".join(traceback.format_exception(error)).rstrip()
+        self._sender.send(("fault", text, self._stats.to_json()))
+        self._sender.close()
+        os._exit(_FAULT_EXIT)  # no clean-up: it would touch the poisoned context again
+
+
+class _WatchedTarget:
+    """A target that reports each step to the `_Watch` before running it."""
+
+    def __init__(self, target: GraphTarget, watch: _Watch) -> None:
+        self._target, self._watch = target, watch
+
+    def step(self, batch: Batch) -> Any:
+        self._watch.stepping(batch)
+        try:
+            return self._target.step(batch)
+        except BaseException as error:
+            if _is_device_fault(error):
+                self._watch.fault(error)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
+def _is_device_fault(error: BaseException) -> bool:
+    """An error that leaves the device unusable: torch's `AcceleratorError`, or a CUDA error
+    that older torch raises as `RuntimeError`."""
+    import torch
+
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "CUDA error" in text or "device-side assert" in text or "illegal memory access" in text
+    )

@@ -1,0 +1,46 @@
+"""Toy targets whose graph twin faults like a device would, for the isolation tests.
+
+On a GPU an out-of-bounds index poisons the CUDA context or aborts the process; these targets do
+the same on purpose, on any backend, at the first step with more than one request: a campaign's
+first examples have a single request, so the fault comes some way into the campaign.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pytest_graphmode.contract import Batch, StepResult
+from tests.fuzz.toy import ToyTarget
+
+FAULT_REQUESTS = 2
+"""The graph twin faults on the first step with at least this many requests."""
+
+
+class _Faulting(ToyTarget):
+    def step(self, batch: Batch) -> StepResult:
+        if self.mode == "graph" and batch.num_reqs >= FAULT_REQUESTS:
+            self.fault()
+        return super().step(batch)
+
+    def fault(self) -> None:
+        raise NotImplementedError
+
+
+class _Aborting(_Faulting):
+    def fault(self) -> None:
+        os.abort()  # what a device-side assert does to the process
+
+
+class _RaisingAcceleratorError(_Faulting):
+    def fault(self) -> None:
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+
+def make_aborting_target(mode: str, *, seed: int, backend: str) -> ToyTarget:
+    return _Aborting(mode, seed=seed, backend=backend)
+
+
+def make_accelerator_error_target(mode: str, *, seed: int, backend: str) -> ToyTarget:
+    return _RaisingAcceleratorError(mode, seed=seed, backend=backend)

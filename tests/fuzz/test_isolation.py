@@ -1,0 +1,98 @@
+"""run_isolated: a campaign in a child process; a child that dies or whose device faults is a
+named failure with its step and replay snippet, and the calling process goes on."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+
+from pytest_graphmode.contract import Batch
+from pytest_graphmode.fuzz import CampaignStats, GraphmodeFailure
+from pytest_graphmode.fuzz.isolation import NO_DEVICE_FAULT, can_isolate, run_isolated
+from tests.fuzz import faulting_target, toy
+
+
+def _fault(factory: object) -> tuple[GraphmodeFailure, list[CampaignStats]]:
+    heard: list[CampaignStats] = []
+    stats = CampaignStats()
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_isolated(
+            factory,  # type: ignore[arg-type]
+            max_examples=30,
+            max_steps=4,
+            seed=3,
+            stats=stats,
+            progress=heard.append,
+        )
+    assert caught.value.stats is stats
+    return caught.value, heard
+
+
+def _events_of(snippet: str) -> list[object]:
+    namespace: dict[str, object] = {}
+    exec(snippet.split("replay(events")[0], namespace)
+    events = namespace["events"]
+    assert isinstance(events, list)
+    return events
+
+
+@pytest.mark.parametrize(
+    ("factory", "cause"),
+    [
+        (faulting_target.make_aborting_target, "died (signal SIGABRT)"),
+        (faulting_target.make_accelerator_error_target, "the device faulted:"),
+    ],
+    ids=["abort", "accelerator_error"],
+)
+def test_a_device_fault_is_a_named_failure_at_its_step(factory: object, cause: str) -> None:
+    raised, heard = _fault(factory)
+    failure = raised.failure
+    assert failure.check == NO_DEVICE_FAULT
+    assert cause in failure.message
+    assert f"failed at step {failure.step} (seed {failure.seed})" in failure.message
+    batches = [event for event in _events_of(failure.replay_snippet) if isinstance(event, Batch)]
+    # The snippet ends with the step that faulted, the first one with enough requests.
+    assert len(batches) == failure.step + 1
+    assert batches[-1].num_reqs >= faulting_target.FAULT_REQUESTS
+    assert all(b.num_reqs < faulting_target.FAULT_REQUESTS for b in batches[:-1])
+    assert "from tests.fuzz.faulting_target import make_" in failure.replay_snippet
+    stats = raised.stats
+    assert stats is not None and stats.failures == [failure]
+    # What the child counted before it died came back, step by step.
+    assert stats.examples >= 1 and stats.checks_run[NO_DEVICE_FAULT] >= 1
+    assert (stats.first_failure_check, stats.first_failure_example) == (
+        NO_DEVICE_FAULT,
+        stats.examples,
+    )
+    assert heard and heard[-1].first_failure_check == NO_DEVICE_FAULT
+
+
+def test_an_isolated_campaign_returns_the_childs_statistics() -> None:
+    seen: list[int] = []
+    stats = run_isolated(
+        toy.make_target,
+        max_examples=3,
+        max_steps=3,
+        seed=2,
+        progress=lambda s: seen.append(s.examples),
+    )
+    assert stats.examples == 3 and seen == [1, 2, 3]
+    assert stats.failures == [] and stats.steps >= 3
+    assert stats.checks_run[NO_DEVICE_FAULT] == stats.steps
+
+
+def test_a_failed_check_in_the_child_is_raised_as_it_is() -> None:
+    with pytest.raises(GraphmodeFailure) as caught:
+        drifting = partial(toy.ToyTarget, bugs=frozenset({"drift"}))
+        run_isolated(drifting, max_examples=10, max_steps=3, seed=1, shrink_seconds=0)
+    assert caught.value.failure.check == "replay_matches_eager"
+    assert caught.value.stats is not None
+    assert caught.value.stats.failures == [caught.value.failure]
+
+
+def test_a_factory_that_cannot_reach_a_child_is_refused_with_the_way_out() -> None:
+    local = toy.factory(["drift"])
+    assert not can_isolate(local)
+    with pytest.raises(TypeError, match="--graphmode-isolate=off"):
+        run_isolated(local)

@@ -1,0 +1,150 @@
+"""`pytest --graphmode-fuzz` on runners that fail: the first failure stops the suite's other
+campaigns, the summary and the report keep every count up to it, and a device fault in an isolated
+campaign is a named failure with a summary rather than a dead session.
+
+Each run is a fresh `python -m pytest` in an empty project that imports the repository's mutants
+and toy targets.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from pytest import LineMatcher
+
+from tests.mutants import buffer_rebound
+
+REPOSITORY = Path(__file__).parents[2]
+EARLIER_FAILED = "*: graphmode: skipped after the failure of an earlier campaign: "
+
+
+@dataclass(frozen=True)
+class Run:
+    ret: int
+    lines: LineMatcher
+    report: dict[str, object]
+
+
+def run_suite(tmp_path_factory: pytest.TempPathFactory, target: str, *args: str) -> Run:
+    project = tmp_path_factory.mktemp("project")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:randomly",
+            "-rs",
+            "--graphmode-fuzz",
+            "--graphmode-backend=sim",
+            f"--graphmode-target={target}",
+            "--graphmode-report=report.json",
+            *args,
+        ],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+    )
+    lines = LineMatcher((done.stdout + done.stderr).splitlines())
+    return Run(done.returncode, lines, json.loads((project / "report.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def mutant_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return run_suite(
+        tmp_path_factory,
+        "tests.mutants.buffer_rebound:make_target",
+        "--graphmode-seed=1",
+        "--graphmode-examples=40",
+        "--graphmode-steps=12",
+        "--graphmode-shrink-seconds=5",
+    )
+
+
+@pytest.fixture(scope="module")
+def fault_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return run_suite(
+        tmp_path_factory,
+        "tests.fuzz.faulting_target:make_aborting_target",
+        "--graphmode-isolate=on",
+        "--graphmode-seed=3",
+        "--graphmode-examples=30",
+        "--graphmode-steps=4",
+    )
+
+
+def test_the_mutants_failure_is_announced_reported_and_summarised(mutant_run: Run) -> None:
+    assert mutant_run.ret == pytest.ExitCode.TESTS_FAILED
+    check = buffer_rebound.EXPECTED_CHECK
+    mutant_run.lines.fnmatch_lines(
+        [
+            f"graphmode campaign: check '{check}' failed at example * after * s; "
+            "shrinking for up to 5 s",
+            f"graphmode check '{check}' failed at step *",
+            "first failing example: *, found after * s; shrinking *",
+        ]
+    )
+    # Never "examples: 0, steps: 0": every count up to the failure is kept.
+    mutant_run.lines.re_match_lines(
+        [
+            r"campaigns: 1  examples: [1-9]\d*  steps: [1-9]\d*  time: .*",
+            rf"checks run: .*{check}: [1-9]\d*.*",
+            r"failures: 1",
+            rf"  FAILED {check} at step \d+ .*",
+            rf"first failure: {check} at example [1-9]\d* after .* s; shrinking .* after .* s",
+        ]
+    )
+
+
+def test_the_suites_later_campaigns_are_skipped_naming_the_failure(mutant_run: Run) -> None:
+    # Both campaigns pinned to a scheduler seed, with one reason: -rs counts them as [2].
+    mutant_run.lines.fnmatch_lines(
+        [
+            f"SKIPPED [[]2[]] {EARLIER_FAILED}campaign failed check "
+            f"'{buffer_rebound.EXPECTED_CHECK}' at step *",
+            "*= 1 failed, 1 passed, 2 skipped in *",
+        ]
+    )
+
+
+def test_the_report_keeps_the_counts_and_the_first_failure(mutant_run: Run) -> None:
+    report = mutant_run.report
+    assert report["first_failure_check"] == buffer_rebound.EXPECTED_CHECK
+    first = report["first_failure_example"]
+    assert isinstance(first, int) and 1 <= first <= report["examples"]  # type: ignore[operator]
+    assert report["steps"] and report["checks_run"]
+    assert (report["shrink_budget_seconds"], report["planned_examples"]) == (5.0, 40)
+    assert report["shrinking"] is False
+    assert isinstance(report["failures"], list) and len(report["failures"]) == 1
+
+
+def test_an_aborting_runner_is_a_named_failure_and_the_session_goes_on(fault_run: Run) -> None:
+    assert fault_run.ret == pytest.ExitCode.TESTS_FAILED
+    fault_run.lines.fnmatch_lines(
+        [
+            "graphmode check 'no_device_fault' failed at step * (seed *): *",
+            "the campaign's child process died (signal SIGABRT)",
+            "*replay it in a fresh process with:",
+            "*from tests.fuzz.faulting_target import make_aborting_target",
+        ]
+    )
+    fault_run.lines.re_match_lines(
+        [
+            r"campaigns: 1  examples: [1-9]\d*  steps: [1-9]\d*  time: .*",
+            r"failures: 1",
+            r"  FAILED no_device_fault at step \d+ .*",
+        ]
+    )
+    fault_run.lines.fnmatch_lines([f"{EARLIER_FAILED}campaign failed check 'no_device_fault'*"])
+    [failure] = fault_run.report["failures"]  # type: ignore[misc]
+    assert failure["check"] == "no_device_fault"
+    assert fault_run.report["first_failure_check"] == "no_device_fault"
