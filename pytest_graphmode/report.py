@@ -103,6 +103,7 @@ def campaign_line(nodeid: str, data: Mapping[str, Any]) -> str:
         f"graphmode {nodeid}: {data['campaigns']} campaign(s), {data['examples']} examples, "
         f"{data['steps']} steps, {failures} failure{'s' if failures != 1 else ''}, "
         f"{float(data['seconds']):.1f} s"
+    )
 
 
 def _first_failure_line(stats: CampaignStats) -> str:
