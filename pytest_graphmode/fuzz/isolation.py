@@ -33,9 +33,9 @@ import hypothesis
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, GraphTarget, TargetFactory
 from pytest_graphmode.failure import Failure, GraphmodeFailure
+from pytest_graphmode.fuzz.registry import NO_DEVICE_FAULT
 from pytest_graphmode.strategies.plans import Stress
 
-NO_DEVICE_FAULT = "no_device_fault"
 SILENCE_LIMIT_SECONDS = 600.0
 """How long the child may send nothing (no step started, no example finished) before the parent
 gives up on it: a step that hangs on the device never returns."""

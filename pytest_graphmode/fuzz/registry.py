@@ -18,7 +18,6 @@ from pytest_graphmode.contract import AddressView, Batch, StepResult, TargetSpec
 from pytest_graphmode.fuzz import (
     addresses,
     checks,
-    isolation,
     kv_checks,
     rank_checks,
     sampling_check,
@@ -82,6 +81,10 @@ def _sampling_independent(e: Evidence) -> list[Violation]:
     return sampling_check.sampling_independent(e.company_batch, e.company, e.batch, e.eager, e.spec)
 
 
+# A device fault (illegal memory access, device-side assert) kills the process that runs the step:
+# the parent of an isolated campaign (isolation.py) judges this check, never a step.
+NO_DEVICE_FAULT = "no_device_fault"
+
 REGISTRY: tuple[Check, ...] = (
     # A stray KV write is the root cause of most wrong logits: judge it first.
     Check(kv_checks.KV_WRITES_CONFINED, _kv_writes_confined),
@@ -126,7 +129,7 @@ REGISTRY: tuple[Check, ...] = (
     ),
     # Judged outside the step, by the parent of an isolated campaign (isolation.py): a device
     # fault ends the process that would judge it here.
-    Check(isolation.NO_DEVICE_FAULT, lambda e: [], applies=lambda e: False),
+    Check(NO_DEVICE_FAULT, lambda e: [], applies=lambda e: False),
 )
 
 RANK_CHECKS: tuple[str, ...] = (rank_checks.RANKS_AGREE, rank_checks.RANKS_ARRIVE)
