@@ -178,7 +178,9 @@ def graphmode_target_factory(pytestconfig: pytest.Config) -> TargetFactory:
 
 @pytest.fixture
 def graphmode_twins(
-    pytestconfig: pytest.Config, graphmode_target_factory: TargetFactory
+    pytestconfig: pytest.Config,
+    graphmode_target_factory: TargetFactory,
+    graphmode_backend: Backend,  # active while the twins live, as in a campaign
 ) -> Iterator[Twins]:
     """A graph and an eager target from the configured factory, same seed; closed afterwards."""
     settings = settings_of(pytestconfig)

@@ -79,6 +79,15 @@ def check_twins(factory: TargetFactory, *, seed: int, backend: str) -> None:
     Raises one `TargetError` naming the first thing to fix; a factory or method that raises is
     reported as one line (exception and where it was raised), not as a traceback per test.
     """
+    from pytest_graphmode.runtime import backends
+
+    # Made as a campaign makes them: with the backend active (on sim a runner that captures while
+    # it is built needs torch routed through the sim).
+    with backends.get(backend).active():
+        _check_twins(factory, seed=seed, backend=backend)
+
+
+def _check_twins(factory: TargetFactory, *, seed: int, backend: str) -> None:
     made: list[Any] = []
     try:
         for mode in ("graph", "eager"):
