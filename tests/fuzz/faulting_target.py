@@ -8,6 +8,7 @@ first examples have a single request, so the fault comes some way into the campa
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -19,6 +20,11 @@ FAULT_REQUESTS = 2
 
 
 class _Faulting(ToyTarget):
+    def state(self) -> Mapping[str, torch.Tensor]:
+        # Only the KV cache: the contract's state is slot-major, and the plugin checks it before
+        # the first campaign (the toy's output weights are no such state).
+        return {"kv": self.kv}
+
     def step(self, batch: Batch) -> StepResult:
         if self.mode == "graph" and batch.num_reqs >= FAULT_REQUESTS:
             self.fault()
