@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from pytest_graphmode.runtime.model.config import DecoderConfig
 
@@ -41,14 +43,24 @@ def weight_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
 
 
 def init_weights(config: DecoderConfig, seed: int) -> dict[str, Tensor]:
-    """float32 CPU weights, a pure function of `(config, seed)`."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    weights = {}
-    for name, shape in weight_shapes(config).items():
-        noise = torch.randn(shape, generator=generator, dtype=torch.float32)
-        weights[name] = noise * _scale(config, name) + _offset(name)
-        if name.endswith(("adapter_a", "adapter_b")):
-            weights[name][0] = 0.0
+    """float32 CPU weights, a pure function of `(config, seed)`; fresh tensors on every call."""
+    return {name: w.clone() for name, w in _drawn(config, seed).items()}
+
+
+# The twins of an example, and a weight update applied to all of them, ask for the same
+# `(config, seed)` several times in a row; drawing is most of a target's construction time.
+@functools.lru_cache(maxsize=8)
+def _drawn(config: DecoderConfig, seed: int) -> dict[str, Tensor]:
+    # Host arithmetic on fresh tensors: drawn outside any dispatch mode (the sim backend's, say),
+    # so the kept values never depend on which stream was current when they were first asked for.
+    with _disable_current_modes():
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        weights = {}
+        for name, shape in weight_shapes(config).items():
+            noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+            weights[name] = noise * _scale(config, name) + _offset(name)
+            if name.endswith(("adapter_a", "adapter_b")):
+                weights[name][0] = 0.0
     return weights
 
 
