@@ -82,6 +82,13 @@ def summary_lines(entries: list[Entry]) -> list[str]:
             f"fuzz: {info['examples_per_s']:.2f} examples/s, {info['steps_per_s']:.1f} steps/s "
             f"({info['examples']} examples, {info['steps']} steps)"
         )
+    for e in entries_of(entries, "test_engine_speedup"):
+        info = e["extra_info"]
+        rates = ", ".join(f"{name} {rate:.2f}" for name, rate in info["steps_per_s"].items())
+        over = ", ".join(
+            f"{ratio:.2f}x over {name}" for name, ratio in info["speedup_over"].items()
+        )
+        lines.append(f"engine steps/s (median): {rates}; current {over or 'alone'}")
     return lines
 
 

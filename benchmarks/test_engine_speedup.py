@@ -1,0 +1,94 @@
+"""Issue 16's figure: steps/s of the default target's campaign, this engine against previous
+releases, measured side by side in one run.
+
+`GRAPHMODE_BASELINES` names source checkouts of earlier releases (comma-separated directories,
+for example made with `git archive <ref> | tar -x -C DIR`); each is installed once into a private
+directory (`pip install --no-deps --target`, no network needed) and put first on `PYTHONPATH` of
+a child process. Every engine runs the same campaign (examples, steps, seed) in a fresh process,
+in alternating order round after round, and the medians are compared. Without baselines the test
+measures this engine alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from graph_workloads import Suite
+
+ROUNDS = int(os.environ.get("GRAPHMODE_ENGINE_ROUNDS", "3"))
+SCRIPT = Path(__file__).with_name("engine_campaign.py")
+
+
+def _baselines() -> list[Path]:
+    raw = os.environ.get("GRAPHMODE_BASELINES", "")
+    dirs = [Path(p).resolve() for p in raw.split(",") if p.strip()]
+    for d in dirs:
+        if not (d / "pyproject.toml").is_file():
+            raise pytest.UsageError(f"GRAPHMODE_BASELINES: {d} is not a source checkout")
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def baseline_sites(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    sites = {}
+    for source in _baselines():
+        site = tmp_path_factory.mktemp(f"baseline-{source.name}")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+             "--no-index", "--target", str(site), str(source)],
+            check=True,
+        )  # fmt: skip
+        sites[source.name] = site
+    return sites
+
+
+def _campaign(site: Path | None, backend: str, suite: Suite) -> dict[str, Any]:
+    env = dict(os.environ)
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--backend", backend,
+         "--examples", str(suite.fuzz_examples), "--steps", str(suite.fuzz_steps), "--seed", "0"],
+        env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"the campaign of engine {site or 'current'} failed:\n{done.stderr}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    if site is not None and not result["source"].startswith(str(site)):
+        raise RuntimeError(f"the baseline in {site} was shadowed by {result['source']}")
+    return result
+
+
+def test_engine_speedup(
+    benchmark: Any, graphmode_backend: Any, suite: Suite, baseline_sites: dict[str, Path]
+) -> None:
+    engines: dict[str, Path | None] = {"current": None, **baseline_sites}
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+
+    def one_round() -> None:
+        order = list(engines.items())
+        if len(rates["current"]) % 2:
+            order.reverse()  # alternate, so drift of the machine does not favour one engine
+        for name, site in order:
+            result = _campaign(site, graphmode_backend.name, suite)
+            assert result["failures"] == 0, (name, result)
+            rates[name].append(result["steps"] / result["seconds"])
+
+    benchmark.pedantic(one_round, rounds=ROUNDS)
+    benchmark.group = "16 engine speedup"
+    medians = {name: statistics.median(r) for name, r in rates.items()}
+    benchmark.extra_info.update(
+        examples=suite.fuzz_examples,
+        steps_per_example=suite.fuzz_steps,
+        steps_per_s=medians,
+        speedup_over={
+            name: medians["current"] / rate for name, rate in medians.items() if name != "current"
+        },
+    )
