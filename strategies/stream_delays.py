@@ -7,7 +7,7 @@ that gap for the span of one step: while it is open, a `torch.cuda._sleep(cycles
 enqueued
 
 - ahead of every non-blocking copy between host memory and a cuda device (`Tensor.copy_` and
-  `Tensor.to` / `.cuda()` / `.cpu()`, i.e. `aten.copy_` and `aten._to_copy`, in either direction),
+  `Tensor.to` / `.cuda()`, i.e. `aten.copy_` and `aten._to_copy`, in either direction),
   on the stream that copy is issued on: the current stream of the copy's cuda device at that
   moment, whichever stream the runner made current (a side stream, a copy stream);
 - ahead of every `torch.cuda.Event.record` (and so every `torch.cuda.Stream.record_event`), on
