@@ -36,8 +36,10 @@ class Stress:
     """Stressors applied right before the next step.
 
     `churn`: tensors to allocate and free on the backend device (0: none). `weight_seed`: call
-    `update_weights(weight_seed)` on every twin. `delay`: on cuda, queue a sleep kernel on the
-    current stream; `scheduler_seed`: on sim, reseed the stream scheduler (both when not None).
+    `update_weights(weight_seed)` on every twin. `delay_cycles`: on cuda, queue a sleep kernel of
+    that many cycles on the current stream before the step, and one ahead of every asynchronous
+    host copy and event record of the stressed twin's step, on whichever stream it runs
+    (`stream_delays`); `scheduler_seed`: on sim, reseed the stream scheduler (both when not None).
     Poisoning needs no field: it happens before every step.
     """
 

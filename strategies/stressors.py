@@ -3,20 +3,22 @@
 Each one targets a bug class (docs/bug-classes.md): poisoned static buffers expose stale inputs and
 padding rows that are not reset (classes 1, 3); NaN in the null block exposes valid rows that read
 padding's sink (1); allocator churn exposes addresses that are not stable (6); delays and a reseeded
-stream scheduler expose missing stream/event waits (8). The functions take plain tensors and a
-`random.Random`, so the same seed poisons the same way every time.
+stream scheduler expose missing stream/event waits and host-staging races (8). The functions take
+plain tensors and a `random.Random`, so the same seed poisons the same way every time.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
 from pytest_graphmode.contract import Batch, TargetSpec
 from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.strategies.plans import Stress
+from pytest_graphmode.strategies.stream_delays import delayed_streams
 
 _FLOAT_POISON = (float("nan"), float("inf"), float("-inf"), 3.0e38)
 _CHURN_BYTES = (4 << 10, 256 << 10, 4 << 20)
@@ -85,3 +87,12 @@ def delay(backend: Backend, stress: Stress) -> None:
         torch.cuda._sleep(stress.delay_cycles)
     if stress.scheduler_seed is not None and hasattr(backend, "set_scheduler_seed"):
         backend.set_scheduler_seed(stress.scheduler_seed)
+
+
+def delayed_step(backend: Backend, stress: Stress) -> AbstractContextManager[None]:
+    """The scope to run the stressed twin's step in: on cuda with `stress.delay_cycles`, every
+    asynchronous host copy and event record on any stream lands late (`stream_delays`); anywhere
+    else nothing is entered at all, so an unstressed step pays nothing."""
+    if stress.delay_cycles and backend.name == "cuda":
+        return delayed_streams(stress.delay_cycles)
+    return nullcontext()

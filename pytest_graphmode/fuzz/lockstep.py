@@ -1,12 +1,15 @@
 """The lockstep driver: runs one schedule through four twins of a target and checks every step.
 
 Twins, all made by the same factory with the same seed (hence the same weights and state):
-- `graph`: graph mode, poisoned before every step (static buffers, null block), stressed;
+- `graph`: graph mode, poisoned before every step (static buffers, null block), stressed: on cuda
+  its step runs with delayed streams when the step's stress asks for delays;
 - `eager`: eager mode, the reference; its null block is poisoned too;
 - `clean`: graph mode, never poisoned; `padding_inert` demands bit-identical valid rows;
 - `company`: eager mode, never poisoned, runs only the sampled requests (see `sampling_check.py`);
   made only for targets with the "sampling" feature.
-Only the two graph twins capture graphs: capture dominates the cost of an example.
+Only the two graph twins capture graphs: capture dominates the cost of an example. Only the graph
+twin's step is delayed: a race that every twin ran into alike could give the same wrong values on
+all of them, and the twins it is compared with must be undisturbed references.
 """
 
 from __future__ import annotations
@@ -108,8 +111,8 @@ class Lockstep:
                 continue
             rng = random.Random(self.seed * 1_000_003 + step)
             held = self._stress(pending, previous, event, rng)
+            violations, kept = self._check_step(step, event, kept, pending)
             pending = Stress()
-            violations, kept = self._check_step(step, event, kept)
             held.clear()  # churned tensors live exactly across the step
             if violations:
                 self._fail(violations[0], step, event, events[: index + 1])
@@ -133,10 +136,12 @@ class Lockstep:
         return kept
 
     def _check_step(
-        self, step: int, batch: Batch, kept: list[Kept]
+        self, step: int, batch: Batch, kept: list[Kept], stress: Stress
     ) -> tuple[list[Violation], list[Kept]]:
         graph_before, eager_before = snapshot(self.graph.state()), snapshot(self.eager.state())
-        graph, eager = step_outcome(self.graph, batch), step_outcome(self.eager, batch)
+        with stressors.delayed_step(self.backend, stress):
+            graph = step_outcome(self.graph, batch)
+        eager = step_outcome(self.eager, batch)
         clean = step_outcome(self.clean, batch)
         sub = sampling_check.company_batch(batch) if self.company else None
         company = step_outcome(self.company, sub) if self.company and sub else None

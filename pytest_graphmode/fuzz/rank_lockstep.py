@@ -90,7 +90,7 @@ class RankLockstep(Lockstep):
             self._last = None
             with self._faults(fault):
                 if event.requests:
-                    violations, kept = self._check_step(step, event, kept)
+                    violations, kept = self._check_step(step, event, kept, pending)
                 else:
                     violations = self._check_idle(event)
             held.clear()

@@ -1,0 +1,130 @@
+"""Delays on every stream a runner uses (cuda): asynchronous copies and event records land late.
+
+A sleep kernel on the current stream before a step only delays the work queued on that stream;
+a runner's own copy stream, or a copy issued after a blocking copy has drained the stream, still
+runs as soon as it is issued, and the host rarely wins the race. `delayed_streams(cycles)` closes
+that gap for the span of one step: while it is open, a `torch.cuda._sleep(cycles)` kernel is
+enqueued
+
+- ahead of every non-blocking copy between host memory and a cuda device (`Tensor.copy_` and
+  `Tensor.to` / `.cuda()`, i.e. `aten.copy_` and `aten._to_copy`, in either direction),
+  on the stream that copy is issued on: the current stream of the copy's cuda device at that
+  moment, whichever stream the runner made current (a side stream, a copy stream);
+- ahead of every `torch.cuda.Event.record` (and so every `torch.cuda.Stream.record_event`), on
+  the stream the event is recorded on.
+
+So a copy out of a pinned staging buffer reads it only after the host has moved on, a download into
+pinned memory is not there yet when the host reads it without waiting, and an event completes late:
+host-staging races and missing waits show as wrong values. Correct code (an event recorded after
+the copy and waited on before the buffer is written again or the result is read) stays correct,
+only slower.
+
+Nothing is delayed inside a CUDA graph capture: a sleep issued on a capturing stream would be
+recorded into the graph and replayed on every later replay, long after the stressed step. Captured
+copies and records are left as they are (their timing is the replay's).
+
+Scope: the copies are seen by a `TorchDispatchMode` pushed on entry and popped on exit, so modes
+the runner enters inside the scope see the operations before it, as usual. `torch.cuda.Event.record`
+is replaced on the class for the scope and the exact attribute it had is put back on exit, also
+when the step raises; since it is a class attribute, other threads recording events during the
+scope are delayed too. Not covered: `torch.Event` / `torch.Stream` (the device-generic classes,
+recorded in C++ without a Python hook), device-to-device copies, kernels on side streams not
+followed by a copy or an event record, and copies issued by C++ code that bypasses the dispatcher.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def async_copy_device(
+    func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> torch.device | None:
+    """The cuda device whose current stream runs `func(*args, **kwargs)`, when that is a
+    non-blocking copy between host memory and a cuda device; None for anything else."""
+    if func is torch.ops.aten.copy_.default:
+        destination, source = args[0], args[1]
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        ends = (destination.device, source.device)
+    elif func is torch.ops.aten._to_copy.default:
+        source = args[0]
+        non_blocking = kwargs.get("non_blocking", False)
+        target = kwargs.get("device")
+        ends = (source.device, source.device if target is None else torch.device(target))
+    else:
+        return None
+    return crossing_device(*ends) if non_blocking else None
+
+
+def crossing_device(one: torch.device, other: torch.device) -> torch.device | None:
+    """The cuda end of a copy between host memory and a cuda device; None for any other pair."""
+    kinds = {one.type, other.type}
+    if kinds != {"cpu", "cuda"}:
+        return None
+    return one if one.type == "cuda" else other
+
+
+@contextmanager
+def delayed_streams(cycles: int) -> Iterator[None]:
+    """Delay every asynchronous host copy and event record by a `cycles`-long sleep kernel on its
+    own stream while the block runs; torch is as it was after the block, also when it raises."""
+    if cycles < 1:
+        raise ValueError(f"delayed_streams(cycles={cycles}): cycles must be >= 1")
+    with _delayed_event_records(cycles), _DelayedCopies(cycles):
+        yield
+
+
+class _DelayedCopies(TorchDispatchMode):
+    def __init__(self, cycles: int) -> None:
+        super().__init__()
+        self.cycles = cycles
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        device = async_copy_device(func, args, kwargs)
+        if device is not None:
+            _sleep_on(_current_stream(device), self.cycles)
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def _delayed_event_records(cycles: int) -> Iterator[None]:
+    event_class = torch.cuda.Event
+    owned = "record" in vars(event_class)
+    before = vars(event_class).get("record")
+    record = event_class.record  # what an instance resolves today, inherited or not
+
+    def delayed_record(event: Any, stream: Any = None) -> Any:
+        _sleep_on(stream, cycles)
+        return record(event, stream)
+
+    event_class.record = delayed_record  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        if owned:
+            event_class.record = before  # type: ignore[method-assign,assignment]
+        else:
+            del event_class.record
+
+
+def _current_stream(device: torch.device) -> Any:
+    return torch.cuda.current_stream(device)
+
+
+def _sleep_on(stream: Any, cycles: int) -> None:
+    """A sleep kernel on `stream` (None: the current stream), unless that stream is capturing."""
+    with torch.cuda.stream(stream):
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda._sleep(cycles)

@@ -1,0 +1,217 @@
+"""Which operations the cuda stream delays hold back, and that their scope leaves torch as it was.
+
+These run without a GPU: the decision is a function of devices and flags, the sleep and the stream
+lookup are replaced by recorders, and fake tensors stand in for cuda tensors. What the delays do
+to real streams is in test_stream_delays_cuda.py.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from pytest_graphmode.contract import Batch, Request
+from pytest_graphmode.fuzz import replay
+from pytest_graphmode.strategies import stream_delays, stressors
+from pytest_graphmode.strategies.plans import Stress
+from pytest_graphmode.strategies.stream_delays import async_copy_device, delayed_streams
+from tests.fuzz.toy import ToyTarget
+
+aten = torch.ops.aten
+CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
+
+
+def _on(device: torch.device) -> Any:
+    return SimpleNamespace(device=device)  # all the decision reads of a tensor
+
+
+def test_a_non_blocking_upload_is_delayed_on_its_cuda_device():
+    assert async_copy_device(aten.copy_.default, (_on(CUDA), _on(CPU), True), {}) == CUDA
+
+
+def test_a_non_blocking_download_is_delayed_on_its_cuda_device():
+    assert async_copy_device(aten.copy_.default, (_on(CPU), _on(CUDA), True), {}) == CUDA
+
+
+def test_non_blocking_given_by_keyword_counts_too():
+    args = (_on(CUDA), _on(CPU))
+    assert async_copy_device(aten.copy_.default, args, {"non_blocking": True}) == CUDA
+
+
+def test_blocking_copies_are_not_delayed():
+    assert async_copy_device(aten.copy_.default, (_on(CUDA), _on(CPU)), {}) is None
+    assert async_copy_device(aten.copy_.default, (_on(CUDA), _on(CPU), False), {}) is None
+
+
+def test_copies_that_stay_on_one_side_are_not_delayed():
+    for ends in ((CPU, CPU), (CUDA, CUDA), (CUDA, torch.device("cuda", 1))):
+        assert async_copy_device(aten.copy_.default, (*map(_on, ends), True), {}) is None
+
+
+def test_to_another_side_is_delayed_and_a_dtype_change_is_not():
+    upload = {"device": CUDA, "non_blocking": True}
+    assert async_copy_device(aten._to_copy.default, (_on(CPU),), upload) == CUDA
+    download = {"device": CPU, "non_blocking": True}
+    assert async_copy_device(aten._to_copy.default, (_on(CUDA),), download) == CUDA
+    cast = {"dtype": torch.float16, "non_blocking": True}
+    assert async_copy_device(aten._to_copy.default, (_on(CUDA),), cast) is None
+
+
+def test_other_operations_are_not_delayed():
+    assert async_copy_device(aten.add_.Tensor, (_on(CUDA), _on(CPU)), {}) is None
+
+
+@pytest.fixture
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, int]]:
+    """Every sleep the delays enqueue, as (stream, cycles); the stream of a copy on device d is
+    ("current", d)."""
+    made: list[tuple[Any, int]] = []
+    monkeypatch.setattr(
+        stream_delays, "_sleep_on", lambda stream, cycles: made.append((stream, cycles))
+    )
+    monkeypatch.setattr(stream_delays, "_current_stream", lambda device: ("current", device))
+    return made
+
+
+def test_copies_seen_inside_the_scope_sleep_on_their_stream_first(sleeps):
+    with FakeTensorMode():
+        device_tensor, host = torch.empty(4, device="cuda"), torch.empty(4)
+        with delayed_streams(7):
+            host.copy_(device_tensor, non_blocking=True)
+            device_tensor.to("cpu", non_blocking=True)
+            host.copy_(device_tensor)
+            host.add_(1)
+        host.copy_(device_tensor, non_blocking=True)  # after the scope
+    assert sleeps == [(("current", CUDA), 7)] * 2
+
+
+def test_an_event_record_sleeps_on_the_recording_stream_then_records(sleeps, monkeypatch):
+    calls: list[tuple[str, Any, Any]] = []
+
+    def record(event: Any, stream: Any = None) -> None:
+        calls.append(("record", event, stream))
+
+    monkeypatch.setattr(torch.cuda.Event, "record", record)
+    with delayed_streams(9):
+        torch.cuda.Event.record("event", "copy stream")
+        torch.cuda.Event.record("event")
+    assert sleeps == [("copy stream", 9), (None, 9)]  # None: the current stream, as record's
+    assert calls == [("record", "event", "copy stream"), ("record", "event", None)]
+
+
+def test_the_scope_restores_torch_exactly():
+    record, depth = vars(torch.cuda.Event)["record"], len(_get_current_dispatch_mode_stack())
+    with delayed_streams(1):
+        assert torch.cuda.Event.record is not record
+        assert len(_get_current_dispatch_mode_stack()) == depth + 1
+    assert vars(torch.cuda.Event)["record"] is record
+    assert len(_get_current_dispatch_mode_stack()) == depth
+
+
+def test_the_scope_restores_torch_exactly_when_the_step_raises():
+    record, depth = vars(torch.cuda.Event)["record"], len(_get_current_dispatch_mode_stack())
+    with pytest.raises(KeyError), delayed_streams(1):
+        raise KeyError("the runner failed")
+    assert vars(torch.cuda.Event)["record"] is record
+    assert len(_get_current_dispatch_mode_stack()) == depth
+
+
+def test_nested_scopes_unwind_in_order():
+    record = vars(torch.cuda.Event)["record"]
+    with delayed_streams(1):
+        outer = torch.cuda.Event.record
+        with delayed_streams(2):
+            assert torch.cuda.Event.record is not outer
+        assert torch.cuda.Event.record is outer
+    assert vars(torch.cuda.Event)["record"] is record
+
+
+def test_zero_cycles_is_refused():
+    with pytest.raises(ValueError, match="cycles must be >= 1"), delayed_streams(0):
+        pass
+
+
+class _Capturing:
+    def __init__(self, capturing: bool) -> None:
+        self.capturing, self.streams, self.sleeps = capturing, [], []
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        @contextmanager
+        def stream(s: Any) -> Any:
+            self.streams.append(s)
+            yield
+
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
+        monkeypatch.setattr(torch.cuda, "_sleep", self.sleeps.append)
+
+
+def test_a_sleep_goes_to_the_given_stream_when_it_is_not_capturing(monkeypatch):
+    fake = _Capturing(capturing=False)
+    fake.install(monkeypatch)
+    stream_delays._sleep_on("side stream", 11)
+    assert fake.streams == ["side stream"] and fake.sleeps == [11]
+
+
+def test_nothing_sleeps_on_a_capturing_stream(monkeypatch):
+    fake = _Capturing(capturing=True)
+    fake.install(monkeypatch)
+    stream_delays._sleep_on("capture stream", 11)
+    assert fake.sleeps == []  # a sleep there would be recorded into the graph
+
+
+class _Backend:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+@pytest.mark.parametrize(
+    ("backend", "cycles"), [("cuda", 0), ("sim", 0), ("sim", 1000)], ids=["cuda-0", "sim-0", "sim"]
+)
+def test_an_undelayed_step_enters_nothing(backend, cycles):
+    scope = stressors.delayed_step(_Backend(backend), Stress(delay_cycles=cycles))
+    assert isinstance(scope, nullcontext)
+
+
+def test_a_delayed_cuda_step_delays_every_stream():
+    record = vars(torch.cuda.Event)["record"]
+    with stressors.delayed_step(_Backend("cuda"), Stress(delay_cycles=1000)):
+        assert torch.cuda.Event.record is not record
+    assert vars(torch.cuda.Event)["record"] is record
+
+
+def test_only_the_graph_twins_step_runs_in_the_delay_scope(monkeypatch):
+    open_scopes: list[Stress] = []
+    steps: list[tuple[int, Stress | None]] = []  # (twin number, the scope open during its step)
+    made: list[ToyTarget] = []
+
+    @contextmanager
+    def scope(backend: Any, stress: Stress) -> Any:
+        open_scopes.append(stress)
+        try:
+            yield
+        finally:
+            open_scopes.pop()
+
+    class Witness(ToyTarget):
+        def step(self, batch: Batch) -> Any:
+            steps.append((made.index(self), open_scopes[-1] if open_scopes else None))
+            return super().step(batch)
+
+    def factory(mode: Any, *, seed: int, backend: str) -> ToyTarget:
+        made.append(Witness(mode, seed=seed, backend=backend))
+        return made[-1]
+
+    monkeypatch.setattr(stressors, "delayed_step", scope)
+    stress = Stress(delay_cycles=1000)
+    replay([stress, Batch((Request(0, (1, 2), 0, (1,)),))], factory=factory, backend="sim")
+    # The lockstep driver makes the graph twin first.
+    assert [scope for twin, scope in steps if twin == 0] == [stress]
+    assert {1, 2} <= {twin for twin, _ in steps}  # the eager and clean twins stepped too
+    assert all(scope is None for twin, scope in steps if twin != 0)

@@ -1,0 +1,113 @@
+"""The cuda stream delays on a GPU: host-staging races show, correct waits stay correct.
+
+Every race here is run with a sleep of tens of milliseconds, so the host always wins it: the
+outcome with the delays is deterministic, where without them the copy usually wins and the bug
+stays hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pytest_graphmode.runtime import backends
+from pytest_graphmode.runtime.backends import Backend
+from pytest_graphmode.strategies.stream_delays import delayed_streams
+
+pytestmark = pytest.mark.graphmode_cuda
+
+CYCLES = 50_000_000  # about 25 ms at 2 GHz
+WORDS = 1 << 16
+
+
+@pytest.fixture
+def be() -> Iterator[Backend]:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    backend = backends.get("cuda")
+    backend.synchronize()
+    yield backend
+    backend.synchronize()
+
+
+def test_a_staging_buffer_rewritten_before_its_upload_on_a_copy_stream_ran_is_read_late(be):
+    copy_stream = be.Stream()
+    staging = be.empty_pinned(WORDS)
+    staging.fill_(1.0)
+    device = torch.zeros(WORDS, device=be.device)
+    with delayed_streams(CYCLES):
+        with be.stream(copy_stream):
+            device.copy_(staging, non_blocking=True)
+        staging.fill_(2.0)  # the bug: the host reuses the buffer without waiting for the copy
+    be.current_stream().wait_stream(copy_stream)
+    assert device.unique().tolist() == [2.0]
+
+
+def test_a_staging_buffer_rewritten_after_waiting_for_the_copy_event_stays_correct(be):
+    copy_stream = be.Stream()
+    staging = be.empty_pinned(WORDS)
+    staging.fill_(1.0)
+    device = torch.zeros(WORDS, device=be.device)
+    with delayed_streams(CYCLES):
+        with be.stream(copy_stream):
+            device.copy_(staging, non_blocking=True)
+            copied = be.Event()
+            copied.record()
+        copied.synchronize()  # before the host writes the buffer again
+        staging.fill_(2.0)
+        be.current_stream().wait_event(copied)  # before the compute stream reads the copy
+        doubled = device * 2
+    assert doubled.unique().tolist() == [2.0]
+
+
+def test_a_replay_not_waiting_for_the_copy_stream_reads_the_old_contents(be):
+    copy_stream = be.Stream()
+    staging = be.empty_pinned(WORDS)
+    staging.fill_(5.0)
+    device = torch.zeros(WORDS, device=be.device)
+    with delayed_streams(CYCLES):
+        with be.stream(copy_stream):
+            device.copy_(staging, non_blocking=True)
+        early = device * 1  # the bug: no wait on the copy stream
+        copy_stream.synchronize()
+    assert early.unique().tolist() == [0.0]
+    assert device.unique().tolist() == [5.0]
+
+
+def test_a_download_read_on_the_host_before_waiting_is_stale(be):
+    source = torch.full((WORDS,), 3.0, device=be.device)
+    host = be.empty_pinned(WORDS)
+    host.zero_()
+    with delayed_streams(CYCLES):
+        host.copy_(source, non_blocking=True)
+        seen = host.clone()  # the bug: read without synchronizing
+    be.synchronize()
+    assert seen.unique().tolist() == [0.0]
+    assert host.unique().tolist() == [3.0]
+
+
+def test_an_event_recorded_on_an_idle_side_stream_completes_late(be):
+    side = be.Stream()
+    with delayed_streams(CYCLES):
+        event = side.record_event()
+        done_at_once = event.query()
+    event.synchronize()
+    assert not done_at_once
+
+
+def test_nothing_sleeps_inside_a_capture(be, monkeypatch):
+    sleeps: list[int] = []
+    sleep = torch.cuda._sleep
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: (sleeps.append(cycles), sleep(cycles)))
+    staging = be.empty_pinned(WORDS)
+    device = torch.zeros(WORDS, device=be.device)
+    graph = be.Graph()
+    with delayed_streams(CYCLES), be.graph(graph):
+        device.copy_(staging, non_blocking=True)
+        doubled = device * 2
+    assert sleeps == []  # a sleep there would be replayed with the graph, every time
+    staging.fill_(4.0)
+    graph.replay()
+    assert doubled.unique().tolist() == [8.0]
