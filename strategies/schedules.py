@@ -60,17 +60,24 @@ def arrival_lists(spec: TargetSpec) -> st.SearchStrategy[list[Arrival]]:
 
 
 def stresses(spec: TargetSpec) -> st.SearchStrategy[Stress]:
+    """None (what shrinking tends to), stressors in lockstep, or a pipelined step (about one step
+    in three is submitted before the harness reads the one before it)."""
     weight_seeds = st.none()
     if "weight_update" in spec.features:
         weight_seeds = st.one_of(st.none(), st.integers(1, 2**16))
+    delays = st.sampled_from((0, DELAY_CYCLES))
+    scheduler_seeds = st.one_of(st.none(), st.integers(0, 2**16))
     active = st.builds(
         Stress,
         churn=st.integers(0, 3),
         weight_seed=weight_seeds,
-        delay_cycles=st.sampled_from((0, DELAY_CYCLES)),
-        scheduler_seed=st.one_of(st.none(), st.integers(0, 2**16)),
+        delay_cycles=delays,
+        scheduler_seed=scheduler_seeds,
     )
-    return st.one_of(st.just(Stress()), active)
+    pipelined = st.builds(
+        Stress, pipelined=st.just(True), delay_cycles=delays, scheduler_seed=scheduler_seeds
+    )
+    return st.one_of(st.just(Stress()), active, pipelined)
 
 
 def step_kinds(spec: TargetSpec) -> st.SearchStrategy[StepKind]:

@@ -37,6 +37,12 @@ class Evidence:
     When a twin raised, the states after the step and the address views are not read (a runner
     that raised owes no consistent state): they are empty, and only the checks that judge raising
     twins run.
+
+    A pipelined pair (docs/contract.md) leaves one `Evidence` per step. The first step's has no
+    states (`states_read` is False: nothing was read between the two steps) and holds in `held`
+    the graph twin's results the caller held unread beside its own (the step before's and the
+    second step's). The second step's states were taken before the first step and after the
+    second, and `earlier` names the first step's batch, whose writes they also hold.
     """
 
     batch: Batch
@@ -53,6 +59,10 @@ class Evidence:
     kept: Sequence[Kept]
     company_batch: Batch | None
     company: Outcome | None
+    states_read: bool = True
+    earlier: Sequence[Batch] = ()
+    held: Sequence[tuple[StepResult, int]] = ()
+    step: int = 0  # the step's index in its schedule, for the messages that name another step
 
     @property
     def twin_raised(self) -> bool:
@@ -71,9 +81,24 @@ class Check:
 
 def _kv_writes_confined(e: Evidence) -> list[Violation]:
     return [
-        *kv_checks.kv_writes_confined(e.batch, e.graph_before, e.graph_after, e.spec, "graph"),
-        *kv_checks.kv_writes_confined(e.batch, e.eager_before, e.eager_after, e.spec, "eager"),
+        *kv_checks.kv_writes_confined(
+            e.batch, e.graph_before, e.graph_after, e.spec, "graph", e.earlier
+        ),
+        *kv_checks.kv_writes_confined(
+            e.batch, e.eager_before, e.eager_after, e.spec, "eager", e.earlier
+        ),
     ]
+
+
+def _results_stay_valid(e: Evidence) -> list[Violation]:
+    found = [v for r, snap, at in e.kept for v in checks.results_stay_valid(r, snap, at)]
+    if e.graph.result is not None:
+        found += [
+            v
+            for other, at in e.held
+            for v in checks.results_disjoint(e.graph.result, e.step, other, at)
+        ]
+    return found
 
 
 def _sampling_independent(e: Evidence) -> list[Violation]:
@@ -87,7 +112,7 @@ NO_DEVICE_FAULT = "no_device_fault"
 
 REGISTRY: tuple[Check, ...] = (
     # A stray KV write is the root cause of most wrong logits: judge it first.
-    Check(kv_checks.KV_WRITES_CONFINED, _kv_writes_confined),
+    Check(kv_checks.KV_WRITES_CONFINED, _kv_writes_confined, applies=lambda e: e.states_read),
     # A sampler that reads the wrong row or a stale seed also makes the graph twin's tokens (and
     # with padding noise its logits) differ from eager: naming the sampler before the generic
     # logits comparison points at the cause instead of the symptom.
@@ -96,6 +121,9 @@ REGISTRY: tuple[Check, ...] = (
         _sampling_independent,
         applies=lambda e: e.company is not None and e.company_batch is not None,
     ),
+    # A result that a later step overwrote reads wrong: in a pipelined pair, the first step's is
+    # read only after the second step ran. Name the overwrite before the wrong values.
+    Check(checks.RESULTS_STAY_VALID, _results_stay_valid),
     Check(
         checks.REPLAY_MATCHES_EAGER,
         lambda e: checks.replay_matches_eager(e.batch, e.graph, e.eager, e.spec),
@@ -104,16 +132,13 @@ REGISTRY: tuple[Check, ...] = (
     Check(
         checks.PADDING_INERT,
         lambda e: checks.padding_inert(
-            e.batch, e.graph, e.clean, e.graph_after, e.clean_after, e.spec
+            e.batch, e.graph, e.clean, e.graph_after, e.clean_after, e.spec, e.earlier
         ),
     ),
     Check(
         kv_checks.STATES_MATCH,
         lambda e: kv_checks.states_match(e.batch, e.graph_after, e.eager_after, e.spec),
-    ),
-    Check(
-        checks.RESULTS_STAY_VALID,
-        lambda e: [v for r, snap, at in e.kept for v in checks.results_stay_valid(r, snap, at)],
+        applies=lambda e: e.states_read,
     ),
     # A runner that tracks no address views (`address_views()` is []) gives these nothing to
     # judge: not counted as run, so the summary can say "not applicable".
