@@ -177,7 +177,11 @@ def padding_inert(
                 *_token_and_logits(c, p, row),
             )
         ]
-    owners = {slot: req for written in (*earlier, batch) for slot, req in valid_slots(written, spec).items()}
+    owners = {
+        slot: req
+        for written in (*earlier, batch)
+        for slot, req in valid_slots(written, spec).items()
+    }
     slots = list(owners)
     for key, expected in clean_after.items():
         actual = poisoned_after.get(key)
@@ -231,7 +235,9 @@ def results_stay_valid(
     return []
 
 
-def results_disjoint(result: StepResult, step: int, other: StepResult, other_step: int) -> list[Violation]:
+def results_disjoint(
+    result: StepResult, step: int, other: StepResult, other_step: int
+) -> list[Violation]:
     """Results of two steps the caller held at once share no memory: the later step would have
     written into a result the caller still owned. Judged on addresses, not values, so that a
     pipelined pair needs no read of the first step's result before the second is submitted."""

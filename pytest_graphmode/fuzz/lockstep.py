@@ -242,7 +242,11 @@ class Lockstep:
         sub = sampling_check.company_batch(batch) if self.company else None
         company = step_outcome(self.company, sub) if self.company and sub else None
         return _References(
-            _frozen(eager), _frozen(clean), sub, None if company is None else _frozen(company), eager.result
+            _frozen(eager),
+            _frozen(clean),
+            sub,
+            None if company is None else _frozen(company),
+            eager.result,
         )
 
     def _run_pair(
