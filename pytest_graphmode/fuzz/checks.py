@@ -139,11 +139,11 @@ def padding_inert(
     poisoned_after: State,
     clean_after: State,
     spec: TargetSpec,
-    earlier: Sequence[Batch] = (),
+    also: Sequence[Batch] = (),
 ) -> list[Violation]:
     """Valid rows and valid KV slots are bit-identical whether or not padding rows, static
-    buffers and the null block were poisoned before the step. `earlier`: steps that also ran
-    since the states were last compared (a pipelined pair's first step); their slots count too."""
+    buffers and the null block were poisoned before the step. `also`: steps that also ran before
+    the states were taken (the other step of a pipelined pair); their slots count too."""
     name = PADDING_INERT
     if poisoned.result is None or clean.result is None:
         if poisoned.error and not clean.error:
@@ -178,9 +178,7 @@ def padding_inert(
             )
         ]
     owners = {
-        slot: req
-        for written in (*earlier, batch)
-        for slot, req in valid_slots(written, spec).items()
+        slot: req for written in (batch, *also) for slot, req in valid_slots(written, spec).items()
     }
     slots = list(owners)
     for key, expected in clean_after.items():

@@ -50,15 +50,15 @@ def kv_writes_confined(
     after: State,
     spec: TargetSpec,
     twin: str = "graph",
-    earlier: Sequence[Batch] = (),
+    also: Sequence[Batch] = (),
 ) -> list[Violation]:
     """Only the step's valid slots and the null block's slots may change in slot-major state.
 
-    `earlier`: the steps that also ran between `before` and `after` (a pipelined pair's first
-    step): their valid slots may change too. Each step of the pair writes only its own slots, so
+    `also`: the steps that also ran between `before` and `after` (the other step of a pipelined
+    pair): their valid slots may change too. Each step of the pair writes only its own slots, so
     their union is the most the pair may write, whatever order the steps' writes landed in."""
     allowed = torch.zeros(spec.num_slots, dtype=torch.bool)
-    for written in (*earlier, batch):
+    for written in (batch, *also):
         allowed[list(valid_slots(written, spec))] = True
     null = spec.null_block * spec.block_size
     allowed[null : null + spec.block_size] = True
@@ -70,8 +70,8 @@ def kv_writes_confined(
         stray = changed & ~allowed
         if bool(stray.any()):
             slot = int(stray.nonzero()[0])
-            where = _owner_text(slot // spec.block_size, (*earlier, batch), spec)
-            steps = "these two steps do" if earlier else "this step does"
+            where = _owner_text(slot // spec.block_size, (batch, *also), spec)
+            steps = "these two steps do" if also else "this step does"
             return [
                 Violation(
                     KV_WRITES_CONFINED,

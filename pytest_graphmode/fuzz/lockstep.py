@@ -263,8 +263,8 @@ class Lockstep:
         The reference twins run both steps first, in lockstep. Then the graph twin gets both
         steps back to back: between them the harness only delays (no poisoning, no snapshot, no
         read), as an engine that schedules the next step while the last one runs. Both steps are
-        judged once the second has returned, each against the references read at its step; the
-        states over the pair (before the first step, after the second).
+        judged once the second has returned, each against the references read at its step, and
+        the states over the pair (before the first step, after the second) with the first.
         """
         churned = self._stress(first.stress, previous, first.batch, self._rng(step))
         graph_before, eager_before = snapshot(self.graph.state()), snapshot(self.eager.state())
@@ -287,10 +287,14 @@ class Lockstep:
             graph1 = step_outcome(self.graph, second.batch)
         self._count(first.batch, graph0.result)
         self.stats.pipelined_steps += 1
-
+        # A twin that raised owes no consistent state: the pair's states are then not read.
+        states_read = not (graph0.error or ref0.eager.error or ended)
+        states_read = states_read and graph1 is not None and graph1.error is None
         held = [(held_before, step - 1)] if held_before is not None else []
         if graph1 is not None and graph1.result is not None:
             held.append((graph1.result, step + 1))
+        # The first step's evidence holds the pair's states: a stray write is the root cause of
+        # most wrong values, so it is judged before either step's results.
         judged = [
             Evidence(
                 batch=first.batch,
@@ -298,16 +302,17 @@ class Lockstep:
                 graph=graph0,
                 eager=ref0.eager,
                 clean=ref0.clean,
-                graph_before={},
-                eager_before={},
-                graph_after={},
-                eager_after={},
-                clean_after={},
-                views=[],
+                graph_before=graph_before,
+                eager_before=eager_before,
+                graph_after=snapshot(self.graph.state()) if states_read else {},
+                eager_after=eager_after if states_read else {},
+                clean_after=clean_after if states_read else {},
+                views=self.graph.address_views() if states_read else [],
                 kept=kept0,
                 company_batch=ref0.company_batch,
                 company=ref0.company,
-                states_read=False,
+                states_read=states_read,
+                paired=(second.batch,),
                 held=held,
                 step=step,
             )
@@ -315,7 +320,6 @@ class Lockstep:
         if ref1 is not None and graph1 is not None:
             self._count(second.batch, graph1.result)
             self.stats.pipelined_steps += 1
-            raised = bool(graph1.error or ref1.eager.error)
             eager0 = ref0.eager.result
             judged.append(
                 Evidence(
@@ -324,12 +328,12 @@ class Lockstep:
                     graph=graph1,
                     eager=ref1.eager,
                     clean=ref1.clean,
-                    graph_before=graph_before,
-                    eager_before=eager_before,
-                    graph_after={} if raised else snapshot(self.graph.state()),
-                    eager_after=eager_after,
-                    clean_after=clean_after,
-                    views=[] if raised else self.graph.address_views(),
+                    graph_before={},
+                    eager_before={},
+                    graph_after={},
+                    eager_after={},
+                    clean_after={},
+                    views=[],
                     kept=(
                         [(frozen(ref0.live), (eager0.logits, eager0.next_tokens), step)]
                         if ref0.live is not None and eager0 is not None
@@ -337,7 +341,7 @@ class Lockstep:
                     ),
                     company_batch=ref1.company_batch,
                     company=ref1.company,
-                    earlier=(first.batch,),
+                    states_read=False,
                     step=step + 1,
                 )
             )

@@ -38,11 +38,11 @@ class Evidence:
     that raised owes no consistent state): they are empty, and only the checks that judge raising
     twins run.
 
-    A pipelined pair (docs/contract.md) leaves one `Evidence` per step. The first step's has no
-    states (`states_read` is False: nothing was read between the two steps) and holds in `held`
-    the graph twin's results the caller held unread beside its own (the step before's and the
-    second step's). The second step's states were taken before the first step and after the
-    second, and `earlier` names the first step's batch, whose writes they also hold.
+    A pipelined pair (docs/contract.md) leaves one `Evidence` per step, the first step's judged
+    first. Its states were taken before the first step and after the second: `paired` names the
+    second step's batch, whose writes they also hold; the second step's `Evidence` has no states
+    (`states_read` is False). `held` lists the graph twin's results the caller held unread beside
+    the first step's own (the step before's and the second step's).
     """
 
     batch: Batch
@@ -60,7 +60,7 @@ class Evidence:
     company_batch: Batch | None
     company: Outcome | None
     states_read: bool = True
-    earlier: Sequence[Batch] = ()
+    paired: Sequence[Batch] = ()
     held: Sequence[tuple[StepResult, int]] = ()
     step: int = 0  # the step's index in its schedule, for the messages that name another step
 
@@ -82,10 +82,10 @@ class Check:
 def _kv_writes_confined(e: Evidence) -> list[Violation]:
     return [
         *kv_checks.kv_writes_confined(
-            e.batch, e.graph_before, e.graph_after, e.spec, "graph", e.earlier
+            e.batch, e.graph_before, e.graph_after, e.spec, "graph", e.paired
         ),
         *kv_checks.kv_writes_confined(
-            e.batch, e.eager_before, e.eager_after, e.spec, "eager", e.earlier
+            e.batch, e.eager_before, e.eager_after, e.spec, "eager", e.paired
         ),
     ]
 
@@ -132,7 +132,7 @@ REGISTRY: tuple[Check, ...] = (
     Check(
         checks.PADDING_INERT,
         lambda e: checks.padding_inert(
-            e.batch, e.graph, e.clean, e.graph_after, e.clean_after, e.spec, e.earlier
+            e.batch, e.graph, e.clean, e.graph_after, e.clean_after, e.spec, e.paired
         ),
     ),
     Check(
