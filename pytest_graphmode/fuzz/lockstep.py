@@ -264,7 +264,8 @@ class Lockstep:
         steps back to back: between them the harness only delays (no poisoning, no snapshot, no
         read), as an engine that schedules the next step while the last one runs. Both steps are
         judged once the second has returned, each against the references read at its step, and
-        the states over the pair (before the first step, after the second) with the first.
+        the states over the pair (before the first step, after the second): the writes with the
+        first step, the states after the pair with the second (see `Evidence`).
         """
         churned = self._stress(first.stress, previous, first.batch, self._rng(step))
         graph_before, eager_before = snapshot(self.graph.state()), snapshot(self.eager.state())
@@ -293,8 +294,8 @@ class Lockstep:
         held = [(held_before, step - 1)] if held_before is not None else []
         if graph1 is not None and graph1.result is not None:
             held.append((graph1.result, step + 1))
-        # The first step's evidence holds the pair's states: a stray write is the root cause of
-        # most wrong values, so it is judged before either step's results.
+        graph_after = snapshot(self.graph.state()) if states_read else {}
+        eager_after = eager_after if states_read else {}
         judged = [
             Evidence(
                 batch=first.batch,
@@ -304,14 +305,15 @@ class Lockstep:
                 clean=ref0.clean,
                 graph_before=graph_before,
                 eager_before=eager_before,
-                graph_after=snapshot(self.graph.state()) if states_read else {},
-                eager_after=eager_after if states_read else {},
-                clean_after=clean_after if states_read else {},
-                views=self.graph.address_views() if states_read else [],
+                graph_after=graph_after,
+                eager_after=eager_after,
+                clean_after={},
+                views=[],
                 kept=kept0,
                 company_batch=ref0.company_batch,
                 company=ref0.company,
                 states_read=states_read,
+                pipelined="first",
                 paired=(second.batch,),
                 held=held,
                 step=step,
@@ -328,12 +330,12 @@ class Lockstep:
                     graph=graph1,
                     eager=ref1.eager,
                     clean=ref1.clean,
-                    graph_before={},
-                    eager_before={},
-                    graph_after={},
-                    eager_after={},
-                    clean_after={},
-                    views=[],
+                    graph_before=graph_before,
+                    eager_before=eager_before,
+                    graph_after=graph_after,
+                    eager_after=eager_after,
+                    clean_after=clean_after if states_read else {},
+                    views=self.graph.address_views() if states_read else [],
                     kept=(
                         [(frozen(ref0.live), (eager0.logits, eager0.next_tokens), step)]
                         if ref0.live is not None and eager0 is not None
@@ -341,7 +343,9 @@ class Lockstep:
                     ),
                     company_batch=ref1.company_batch,
                     company=ref1.company,
-                    states_read=False,
+                    states_read=states_read,
+                    pipelined="second",
+                    paired=(first.batch,),
                     step=step + 1,
                 )
             )
@@ -361,8 +365,9 @@ class Lockstep:
         now: list[Kept] = []
         if graph1.result is not None:
             now.append((graph1.result, _clones(graph1.result), step + 1))
-        if ref1.live is not None and ref1.eager.result is not None:
-            now.append((ref1.live, _clones(ref1.eager.result), step + 1))
+        copy = ref1.eager.result  # the eager result's host copy, taken at its step
+        if ref1.live is not None and copy is not None:
+            now.append((ref1.live, (copy.logits, copy.next_tokens), step + 1))
         return now
 
     def _count(self, batch: Batch, result: StepResult | None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -38,11 +39,14 @@ class Evidence:
     that raised owes no consistent state): they are empty, and only the checks that judge raising
     twins run.
 
-    A pipelined pair (docs/contract.md) leaves one `Evidence` per step, the first step's judged
-    first. Its states were taken before the first step and after the second: `paired` names the
-    second step's batch, whose writes they also hold; the second step's `Evidence` has no states
-    (`states_read` is False). `held` lists the graph twin's results the caller held unread beside
-    the first step's own (the step before's and the second step's).
+    A pipelined pair (docs/contract.md) leaves one `Evidence` per step (`pipelined` says which),
+    the first step's judged first. Both hold the pair's states, taken before the first step and
+    after the second, and name the other step's batch in `paired`, whose writes the states also
+    hold. The first step's judges the writes (`kv_writes_confined`: a stray write is the root
+    cause of most wrong values, so it is named before either step's results) and leaves out the
+    clean twin's state; the second step's judges the states after the pair (`states_match`,
+    `padding_inert`). `held` lists the graph twin's results the caller held unread beside the
+    first step's own (the step before's and the second step's).
     """
 
     batch: Batch
@@ -60,6 +64,7 @@ class Evidence:
     company_batch: Batch | None
     company: Outcome | None
     states_read: bool = True
+    pipelined: Literal["first", "second"] | None = None
     paired: Sequence[Batch] = ()
     held: Sequence[tuple[StepResult, int]] = ()
     step: int = 0  # the step's index in its schedule, for the messages that name another step
@@ -112,7 +117,11 @@ NO_DEVICE_FAULT = "no_device_fault"
 
 REGISTRY: tuple[Check, ...] = (
     # A stray KV write is the root cause of most wrong logits: judge it first.
-    Check(kv_checks.KV_WRITES_CONFINED, _kv_writes_confined, applies=lambda e: e.states_read),
+    Check(
+        kv_checks.KV_WRITES_CONFINED,
+        _kv_writes_confined,
+        applies=lambda e: e.states_read and e.pipelined != "second",
+    ),
     # A sampler that reads the wrong row or a stale seed also makes the graph twin's tokens (and
     # with padding noise its logits) differ from eager: naming the sampler before the generic
     # logits comparison points at the cause instead of the symptom.
@@ -138,7 +147,7 @@ REGISTRY: tuple[Check, ...] = (
     Check(
         kv_checks.STATES_MATCH,
         lambda e: kv_checks.states_match(e.batch, e.graph_after, e.eager_after, e.spec),
-        applies=lambda e: e.states_read,
+        applies=lambda e: e.states_read and e.pipelined != "first",
     ),
     # A runner that tracks no address views (`address_views()` is []) gives these nothing to
     # judge: not counted as run, so the summary can say "not applicable".
