@@ -69,6 +69,15 @@ def test_worker_summaries_merge_through_json() -> None:
     assert controller.stats.failures == [FAILURE]
 
 
+def test_pipelined_steps_survive_json_and_add_up_across_campaigns() -> None:
+    summary = SessionSummary()
+    summary.add_campaign(campaign(pipelined_steps=4))
+    summary.merge(
+        SessionSummary.from_json(SessionSummary(1, campaign(pipelined_steps=6)).to_json())
+    )
+    assert summary.stats.pipelined_steps == 10
+
+
 def test_summary_lines_show_paths_buckets_reasons_checks_and_failures() -> None:
     summary = SessionSummary()
     summary.add_campaign(
