@@ -24,6 +24,7 @@ class CampaignStats:
 
     examples: int = 0
     steps: int = 0
+    pipelined_steps: int = 0  # steps the graph twin ran in pipelined pairs (two per pair)
     buckets_hit: Counter[int] = field(default_factory=Counter)  # 0: above every capture size
     paths: Counter[str] = field(default_factory=Counter)
     fallback_reasons: Counter[str] = field(default_factory=Counter)
@@ -45,6 +46,7 @@ class CampaignStats:
         return CampaignStats(
             examples=self.examples + other.examples,
             steps=self.steps + other.steps,
+            pipelined_steps=self.pipelined_steps + other.pipelined_steps,
             buckets_hit=self.buckets_hit + other.buckets_hit,
             paths=self.paths + other.paths,
             fallback_reasons=self.fallback_reasons + other.fallback_reasons,
@@ -68,6 +70,7 @@ class CampaignStats:
         return {
             "examples": self.examples,
             "steps": self.steps,
+            "pipelined_steps": self.pipelined_steps,
             "buckets_hit": {str(k): v for k, v in sorted(self.buckets_hit.items())},
             **{name: dict(sorted(getattr(self, name).items())) for name in _COUNTERS},
             "failures": [failure.to_json() for failure in self.failures],
@@ -93,6 +96,7 @@ class CampaignStats:
         return cls(
             examples=int(data["examples"]),
             steps=int(data["steps"]),
+            pipelined_steps=int(data.get("pipelined_steps", 0)),  # absent in older reports
             buckets_hit=Counter({int(k): int(v) for k, v in data["buckets_hit"].items()}),
             **{
                 name: Counter({str(k): int(v) for k, v in data[name].items()}) for name in _COUNTERS

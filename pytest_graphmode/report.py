@@ -39,6 +39,8 @@ def summary_lines(
         f"campaigns: {summary.campaigns}  examples: {stats.examples}  steps: {stats.steps}  "
         f"time: {stats.seconds:.1f} s",
         f"paths: {paths}",
+        f"pipelined: {stats.pipelined_steps} of {stats.steps} steps (in pairs, the second "
+        f"submitted before the first was read)",
         f"buckets hit: {buckets or 'none'}",
         f"fallback reasons: {fallback_causes(stats.fallback_reasons) or 'none'}",
         f"checks run: {_counts(stats.checks_run) or 'none'}",

@@ -41,12 +41,27 @@ class Stress:
     host copy and event record of the stressed twin's step, on whichever stream it runs
     (`stream_delays`); `scheduler_seed`: on sim, reseed the stream scheduler (both when not None).
     Poisoning needs no field: it happens before every step.
+
+    `pipelined`: the harness submits the next step to the graph twin before it reads anything of
+    the step before, as engines that overlap scheduling with execution do, and judges both once
+    the second has returned (docs/contract.md, "Pipelined pairs"). Between the two submissions it
+    only delays, so a pipelined stress carries no churn and no weight update: both write device
+    memory the step in flight may still use, which the harness cannot order for the runner.
     """
 
     churn: int = 0
     weight_seed: int | None = None
     delay_cycles: int = 0
     scheduler_seed: int | None = None
+    pipelined: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pipelined and (self.churn or self.weight_seed is not None):
+            raise ValueError(
+                f"Stress(pipelined=True) takes only delay_cycles and scheduler_seed, got "
+                f"churn={self.churn}, weight_seed={self.weight_seed}: the harness cannot order "
+                f"its writes after the step still in flight"
+            )
 
     @property
     def active(self) -> bool:

@@ -89,7 +89,9 @@ def rank_steps(draw: st.DrawFn, spec: TargetSpec, ranks: int) -> RankStep:
             plan = shared if role == "shared" else draw(step_plans(spec))
             plans.append(dataclasses.replace(plan, stress=Stress()))
     faults = tuple(draw(rank_faults()) for _ in range(ranks))
-    return RankStep(tuple(plans), faults, shared.stress)
+    # The data-parallel driver runs its ranks in lockstep: it has no pipelined pairs.
+    stress = dataclasses.replace(shared.stress, pipelined=False)
+    return RankStep(tuple(plans), faults, stress)
 
 
 def rank_schedules(

@@ -59,18 +59,28 @@ def arrival_lists(spec: TargetSpec) -> st.SearchStrategy[list[Arrival]]:
     return st.one_of(st.just([]), st.lists(arrivals(spec), max_size=4), crowd)
 
 
-def stresses(spec: TargetSpec) -> st.SearchStrategy[Stress]:
+def stresses(spec: TargetSpec, pipelined: bool = True) -> st.SearchStrategy[Stress]:
+    """None (what shrinking tends to), stressors in lockstep, or (unless `pipelined` is False) a
+    pipelined step: about one step in three is submitted before the harness reads the one before
+    it."""
     weight_seeds = st.none()
     if "weight_update" in spec.features:
         weight_seeds = st.one_of(st.none(), st.integers(1, 2**16))
+    delays = st.sampled_from((0, DELAY_CYCLES))
+    scheduler_seeds = st.one_of(st.none(), st.integers(0, 2**16))
     active = st.builds(
         Stress,
         churn=st.integers(0, 3),
         weight_seed=weight_seeds,
-        delay_cycles=st.sampled_from((0, DELAY_CYCLES)),
-        scheduler_seed=st.one_of(st.none(), st.integers(0, 2**16)),
+        delay_cycles=delays,
+        scheduler_seed=scheduler_seeds,
     )
-    return st.one_of(st.just(Stress()), active)
+    pairs = st.builds(
+        Stress, pipelined=st.just(True), delay_cycles=delays, scheduler_seed=scheduler_seeds
+    )
+    if not pipelined:
+        return st.one_of(st.just(Stress()), active)
+    return st.one_of(st.just(Stress()), active, pairs)
 
 
 def step_kinds(spec: TargetSpec) -> st.SearchStrategy[StepKind]:
@@ -82,7 +92,7 @@ def step_kinds(spec: TargetSpec) -> st.SearchStrategy[StepKind]:
 
 
 @st.composite
-def step_plans(draw: st.DrawFn, spec: TargetSpec) -> StepPlan:
+def step_plans(draw: st.DrawFn, spec: TargetSpec, pipelined: bool = True) -> StepPlan:
     spec_k = draw(st.integers(1, 4))
     largest = spec.capture_sizes[-1] if spec.capture_sizes else 1
     return StepPlan(
@@ -95,15 +105,18 @@ def step_plans(draw: st.DrawFn, spec: TargetSpec) -> StepPlan:
         accepted=draw(st.integers(0, spec_k)),
         chunk=draw(st.one_of(st.integers(1, largest), st.integers(1, spec.max_num_tokens))),
         rotate=draw(st.integers(0, 63)),
-        stress=draw(stresses(spec)),
+        stress=draw(stresses(spec, pipelined)),
     )
 
 
-def schedules(spec: TargetSpec, max_steps: int = 12) -> st.SearchStrategy[list[StepPlan]]:
-    """Lists of 1..max_steps plans; any such list compiles to legal batches."""
+def schedules(
+    spec: TargetSpec, max_steps: int = 12, *, pipelined: bool = True
+) -> st.SearchStrategy[list[StepPlan]]:
+    """Lists of 1..max_steps plans; any such list compiles to legal batches. `pipelined=False`
+    draws no pipelined pairs: every step runs in lockstep."""
     if max_steps < 1:
         raise ValueError(f"max_steps={max_steps} must be >= 1")
-    return st.lists(step_plans(spec), min_size=1, max_size=max_steps)
+    return st.lists(step_plans(spec, pipelined), min_size=1, max_size=max_steps)
 
 
 @st.composite

@@ -6,7 +6,8 @@ Public API (stable; the pytest plugin is built on it):
 
 - `run_campaign(factory, *, backend="sim", max_examples=50, max_steps=12, seed=None,
   features=None, progress=None, settings=None, stats=None, shrink_seconds=None,
-  on_example=None) -> CampaignStats`: Hypothesis draws schedules of legal batches and stressors;
+  on_example=None, pipelined=True) -> CampaignStats`: Hypothesis draws schedules of legal
+  batches and stressors (with pipelined pairs unless `pipelined=False`);
   the first failure is shrunk to its smallest schedule (within `shrink_seconds`, when given) and
   raised as `GraphmodeFailure` (its `.stats` holds the statistics so far). `stats` is counted
   into as the campaign runs, so its caller keeps the counts of an interrupted campaign.
@@ -15,7 +16,7 @@ Public API (stable; the pytest plugin is built on it):
 - `replay(batches, *, factory, backend="sim", seed=0) -> CampaignStats`: re-run a concrete
   schedule (a list of `Batch`, optionally with `Stress` events) with every check; a failure's
   `replay_snippet` is such a call.
-- `CampaignStats`: examples, steps, buckets_hit, paths, fallback_reasons, checks_run, failures,
+- `CampaignStats`: examples, steps, pipelined_steps, buckets_hit, paths, fallback_reasons, checks_run, failures,
   seconds, the first failure as found (`first_failure_seconds`, `_example`, `_check`) and its
   shrinking (`shrinking`, `shrink_seconds`, `shrink_budget_seconds`, `shrink_stopped_by_budget`),
   `planned_examples`; `merge(other)` (xdist aggregation), `to_json()` and `from_json()`.
@@ -44,10 +45,12 @@ How each bug class of docs/bug-classes.md is provoked (before the arrow) and see
    -> replay_matches_eager
 6. addresses: allocator churn, eager steps above the largest capture size
    -> replay_matches_eager, padding_inert
-7. aliasing: results kept across the next step -> results_stay_valid
+7. aliasing: results kept across the next step, and in pipelined pairs held unread while it
+   runs -> results_stay_valid
 8. async staging: cuda: a sleep kernel before the step and, in the graph twin's step, ahead of
-   every asynchronous host copy and event record on its own stream; sim: a reseeded stream order
-   -> replay_matches_eager (no_device_fault where the stale values are used as indices)
+   every asynchronous host copy and event record on its own stream; sim: a reseeded stream order;
+   both: pipelined pairs, the next step sent before the last one is read -> replay_matches_eager
+   (no_device_fault where the stale values are used as indices)
 9. pool accounting: several buckets captured per example
    -> pool_within_bound, address_views_disjoint
 10. capture coverage: fresh inputs on every replay after capture

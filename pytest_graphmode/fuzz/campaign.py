@@ -90,6 +90,7 @@ def run_campaign(
     stats: CampaignStats | None = None,
     shrink_seconds: float | None = None,
     on_example: Callable[[int, Sequence[Batch | Stress]], None] | None = None,
+    pipelined: bool = True,
 ) -> CampaignStats:
     """Fuzz `factory`'s targets; return the statistics, or raise `GraphmodeFailure` (carrying
     them as `.stats`) for the first failure, shrunk to its smallest schedule.
@@ -102,6 +103,8 @@ def run_campaign(
     example, once as soon as the first failure is found, and at least once a second while it is
     shrunk. `shrink_seconds` bounds the shrinking (None: Hypothesis shrinks until done; 0: the
     failure is reported as found). `on_example(seed, events)` is called before each example runs.
+    `pipelined=False` leaves pipelined pairs out of the schedules (docs/contract.md): every step
+    then runs in lockstep, each read before the next is sent.
     """
     spec = campaign_spec(factory, backend, features)
     stats = CampaignStats() if stats is None else stats
@@ -111,7 +114,10 @@ def run_campaign(
     stats.shrink_budget_seconds = shrink_seconds
     budget = _ShrinkBudget(stats, started, shrink_seconds, progress)
 
-    @hypothesis.given(plans=schedules(spec, max_steps), example_seed=st.integers(0, 2**31 - 1))
+    @hypothesis.given(
+        plans=schedules(spec, max_steps, pipelined=pipelined),
+        example_seed=st.integers(0, 2**31 - 1),
+    )
     def example(plans: list[StepPlan], example_seed: int) -> None:
         if budget.spent():
             raise _ShrinkBudgetSpent

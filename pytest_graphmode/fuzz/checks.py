@@ -7,6 +7,7 @@ are public: reports, statistics and users' filters refer to them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -138,9 +139,11 @@ def padding_inert(
     poisoned_after: State,
     clean_after: State,
     spec: TargetSpec,
+    also: Sequence[Batch] = (),
 ) -> list[Violation]:
     """Valid rows and valid KV slots are bit-identical whether or not padding rows, static
-    buffers and the null block were poisoned before the step."""
+    buffers and the null block were poisoned before the step. `also`: steps that also ran before
+    the states were taken (the other step of a pipelined pair); their slots count too."""
     name = PADDING_INERT
     if poisoned.result is None or clean.result is None:
         if poisoned.error and not clean.error:
@@ -174,7 +177,10 @@ def padding_inert(
                 *_token_and_logits(c, p, row),
             )
         ]
-    slots = list(valid_slots(batch, spec))
+    owners = {
+        slot: req for written in (batch, *also) for slot, req in valid_slots(written, spec).items()
+    }
+    slots = list(owners)
     for key, expected in clean_after.items():
         actual = poisoned_after.get(key)
         if actual is None or not slot_major(expected, spec) or actual.shape != expected.shape:
@@ -188,7 +194,7 @@ def padding_inert(
                     f"valid KV slot {slot} of {key!r} holds other bits when the "
                     f"graph twin was poisoned",
                     slot=slot,
-                    req_id=valid_slots(batch, spec)[slot],
+                    req_id=owners[slot],
                     **differences(expected[slot], actual[slot]),
                 )
             ]
@@ -225,3 +231,39 @@ def results_stay_valid(
                 )
             ]
     return []
+
+
+def results_disjoint(
+    result: StepResult, step: int, other: StepResult, other_step: int
+) -> list[Violation]:
+    """Results of two steps the caller held at once share no memory: the later step would have
+    written into a result the caller still owned. Judged on addresses, not values, so that a
+    pipelined pair needs no read of the first step's result before the second is submitted."""
+    for field, mine in (("logits", result.logits), ("next_tokens", result.next_tokens)):
+        for theirs in (other.logits, other.next_tokens):
+            if _overlap(mine, theirs):
+                first, second = sorted((step, other_step))
+                return [
+                    Violation(
+                        RESULTS_STAY_VALID,
+                        f"the {field} returned at step {step} share memory with a result of step "
+                        f"{other_step}: step {second} wrote into the result of step {first}, "
+                        f"which the caller still held; return a copy",
+                    )
+                ]
+    return []
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    return _span(a)[0] < _span(b)[1] and _span(b)[0] < _span(a)[1]
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes between a tensor's first and last element (whatever its strides)."""
+    low = high = t.data_ptr()
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        reach = (size - 1) * stride * t.element_size()
+        low, high = (low + reach, high) if reach < 0 else (low, high + reach)
+    return low, high + t.element_size()

@@ -255,6 +255,9 @@ class _Watch:
         self._sender, self._stats, self._backend = sender, stats, backend
         self._batches: list[Batch] = []
         self._step: int | None = None
+        # Steps already counted: a pipelined pair returns to its first step (the references run
+        # both steps before the graph twin does), and a step is judged once.
+        self._counted: set[int] = set()
 
     def factory(self, factory: TargetFactory) -> TargetFactory:
         """`factory`, its targets reporting each step before running it. Keeps the factory's
@@ -270,6 +273,7 @@ class _Watch:
         self.probe()  # a fault surfacing late belongs to the example before this one
         self._batches = [event for event in events if isinstance(event, Batch)]
         self._step = None
+        self._counted = set()
         self._sender.send(("example", (seed, list(events)), None))
 
     def stepping(self, batch: Batch) -> None:
@@ -277,7 +281,9 @@ class _Watch:
         if step is None or step == self._step:
             return  # another twin of the same step, or a batch derived from it
         self._step = step
-        self._stats.checks_run[NO_DEVICE_FAULT] += 1
+        if step not in self._counted:
+            self._counted.add(step)
+            self._stats.checks_run[NO_DEVICE_FAULT] += 1
         self._sender.send(("step", step, self._stats.to_json()))
 
     def probe(self) -> None:

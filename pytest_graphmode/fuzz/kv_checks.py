@@ -3,7 +3,7 @@ twins' states agree. Pure functions over a step's batch and state snapshots, lik
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -34,21 +34,32 @@ def row_mask(equal: torch.Tensor) -> torch.Tensor:
     return equal.reshape(equal.shape[0], -1).all(dim=1)
 
 
-def _owner_text(block: int, batch: Batch, spec: TargetSpec) -> str:
+def _owner_text(block: int, batches: Sequence[Batch], spec: TargetSpec) -> str:
     if block == spec.null_block:
         return "the null block"
-    for request in batch.requests:
-        if block in request.block_ids:
-            return f"block {block}, owned by req {request.req_id}"
+    for batch in reversed(batches):  # the latest owner first
+        for request in batch.requests:
+            if block in request.block_ids:
+                return f"block {block}, owned by req {request.req_id}"
     return f"block {block}, owned by no request of this step (free, or a waiting request's)"
 
 
 def kv_writes_confined(
-    batch: Batch, before: State, after: State, spec: TargetSpec, twin: str = "graph"
+    batch: Batch,
+    before: State,
+    after: State,
+    spec: TargetSpec,
+    twin: str = "graph",
+    also: Sequence[Batch] = (),
 ) -> list[Violation]:
-    """Only the step's valid slots and the null block's slots may change in slot-major state."""
+    """Only the step's valid slots and the null block's slots may change in slot-major state.
+
+    `also`: the steps that also ran between `before` and `after` (the other step of a pipelined
+    pair): their valid slots may change too. Each step of the pair writes only its own slots, so
+    their union is the most the pair may write, whatever order the steps' writes landed in."""
     allowed = torch.zeros(spec.num_slots, dtype=torch.bool)
-    allowed[list(valid_slots(batch, spec))] = True
+    for written in (batch, *also):
+        allowed[list(valid_slots(written, spec))] = True
     null = spec.null_block * spec.block_size
     allowed[null : null + spec.block_size] = True
     for key, new in after.items():
@@ -59,12 +70,13 @@ def kv_writes_confined(
         stray = changed & ~allowed
         if bool(stray.any()):
             slot = int(stray.nonzero()[0])
-            where = _owner_text(slot // spec.block_size, batch, spec)
+            where = _owner_text(slot // spec.block_size, (batch, *also), spec)
+            steps = "these two steps do" if also else "this step does"
             return [
                 Violation(
                     KV_WRITES_CONFINED,
-                    f"{twin} twin changed {key!r} at slot {slot} ({where}), which this step "
-                    f"does not write",
+                    f"{twin} twin changed {key!r} at slot {slot} ({where}), which {steps} "
+                    f"not write",
                     slot=slot,
                     **differences(old[slot], new[slot]),
                 )
@@ -105,7 +117,7 @@ def states_match(
             rows[null : null + spec.block_size] = True
             if not bool(rows.all()):
                 slot = int((~rows).nonzero()[0])
-                where = _owner_text(slot // spec.block_size, batch, spec)
+                where = _owner_text(slot // spec.block_size, (batch,), spec)
                 return [
                     Violation(
                         name,

@@ -10,13 +10,19 @@ Twins, all made by the same factory with the same seed (hence the same weights a
 Only the two graph twins capture graphs: capture dominates the cost of an example. Only the graph
 twin's step is delayed: a race that every twin ran into alike could give the same wrong values on
 all of them, and the twins it is compared with must be undisturbed references.
+
+A step whose `Stress` says `pipelined` runs with the step before it as a pipelined pair
+(`_run_pair`): the references (eager, clean, company) still run in lockstep, each read at its
+step, but the graph twin gets both steps back to back and is read only after the second.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import traceback
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -52,6 +58,52 @@ def step_outcome(target: GraphTarget, batch: Batch) -> Outcome:
         return Outcome(None, traceback.format_exc())
 
 
+def frozen(result: StepResult) -> StepResult:
+    """A host copy of `result` as it is now, whatever its runner does next."""
+    return dataclasses.replace(
+        result,
+        logits=result.logits.detach().cpu().clone(),
+        next_tokens=result.next_tokens.detach().cpu().clone(),
+    )
+
+
+def _frozen(outcome: Outcome) -> Outcome:
+    return outcome if outcome.result is None else Outcome(frozen(outcome.result))
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A batch of a schedule, the stress before it, and the batch's index in the event list."""
+
+    stress: Stress
+    batch: Batch
+    index: int
+
+
+def _steps(events: Sequence[Batch | Stress]) -> list[_Step]:
+    steps: list[_Step] = []
+    pending = Stress()
+    for index, event in enumerate(events):
+        if isinstance(event, Stress):
+            pending = event
+            continue
+        steps.append(_Step(pending, event, index))
+        pending = Stress()
+    return steps
+
+
+@dataclass(frozen=True)
+class _References:
+    """One step of the reference twins, read at that step: host copies (`eager`, `clean`,
+    `company`) and the eager twin's result itself (`live`, for `results_stay_valid`)."""
+
+    eager: Outcome
+    clean: Outcome
+    company_batch: Batch | None
+    company: Outcome | None
+    live: StepResult | None
+
+
 class Lockstep:
     """Owns the twins of one example; `run` raises `GraphmodeFailure` on the first violation."""
 
@@ -70,6 +122,8 @@ class Lockstep:
         self._activated = True
         self._factory, self._backend_name, self.seed, self.stats = factory, backend, seed, stats
         self._targets: list[GraphTarget] = []
+        # The graph twin's latest result: the caller holds it while the next step runs.
+        self._graph_result: StepResult | None = None
         try:
             self.graph = self._make("graph")
             self.eager = self._make("eager")
@@ -101,23 +155,30 @@ class Lockstep:
             self.backend.deactivate()
 
     def run(self, events: Sequence[Batch | Stress]) -> None:
+        """Run `events` and check every step. A step whose stress is `pipelined` forms a pair
+        with the step before it, unless that one is already the second of a pair: pairs do not
+        chain, since a result need stay valid only until the step after it returns."""
+        steps = _steps(events)
         kept: list[Kept] = []
-        pending = Stress()
         previous: Batch | None = None
         step = 0
-        for index, event in enumerate(events):
-            if isinstance(event, Stress):
-                pending = event
+        while step < len(steps):
+            first = steps[step]
+            if step + 1 < len(steps) and steps[step + 1].stress.pipelined:
+                kept = self._run_pair(step, first, steps[step + 1], previous, kept, events)
+                previous = steps[step + 1].batch
+                step += 2
                 continue
-            rng = random.Random(self.seed * 1_000_003 + step)
-            held = self._stress(pending, previous, event, rng)
-            violations, kept = self._check_step(step, event, kept, pending)
-            pending = Stress()
+            held = self._stress(first.stress, previous, first.batch, self._rng(step))
+            violations, kept = self._check_step(step, first.batch, kept, first.stress)
             held.clear()  # churned tensors live exactly across the step
             if violations:
-                self._fail(violations[0], step, event, events[: index + 1])
-            previous = event
+                self._fail(violations[0], step, first.batch, events[: first.index + 1])
+            previous = first.batch
             step += 1
+
+    def _rng(self, step: int) -> random.Random:
+        return random.Random(self.seed * 1_000_003 + step)
 
     def _stress(
         self, stress: Stress, previous: Batch | None, batch: Batch, rng: random.Random
@@ -146,11 +207,7 @@ class Lockstep:
         sub = sampling_check.company_batch(batch) if self.company else None
         company = step_outcome(self.company, sub) if self.company and sub else None
         self._count(batch, graph.result)
-        now = [
-            (r, (r.logits.detach().cpu().clone(), r.next_tokens.cpu().clone()), step)
-            for r in (graph.result, eager.result)
-            if r is not None
-        ]
+        now = [(r, _clones(r), step) for r in (graph.result, eager.result) if r is not None]
         raised = bool(graph.error or eager.error)
         evidence = Evidence(
             batch=batch,
@@ -167,15 +224,158 @@ class Lockstep:
             kept=kept,
             company_batch=sub,
             company=company,
+            step=step,
         )
+        self._graph_result = graph.result
+        return self._first_violation(evidence), now
+
+    def _first_violation(self, evidence: Evidence) -> list[Violation]:
+        """The first check of the registry that finds something wrong with `evidence`."""
         for check in REGISTRY:
-            if (raised and not check.judges_raising_twins) or not check.applies(evidence):
+            if evidence.twin_raised and not check.judges_raising_twins:
+                continue
+            if not check.applies(evidence):
                 continue
             self.stats.checks_run[check.name] += 1
             found = check.judge(evidence)
             if found:
-                return found, now
-        return [], now
+                return found
+        return []
+
+    def _references(self, batch: Batch) -> _References:
+        eager, clean = step_outcome(self.eager, batch), step_outcome(self.clean, batch)
+        sub = sampling_check.company_batch(batch) if self.company else None
+        company = step_outcome(self.company, sub) if self.company and sub else None
+        return _References(
+            _frozen(eager),
+            _frozen(clean),
+            sub,
+            None if company is None else _frozen(company),
+            eager.result,
+        )
+
+    def _run_pair(
+        self,
+        step: int,
+        first: _Step,
+        second: _Step,
+        previous: Batch | None,
+        kept: Sequence[Kept],
+        events: Sequence[Batch | Stress],
+    ) -> list[Kept]:
+        """Steps `step` and `step + 1` as a pipelined pair; the results to keep afterwards.
+
+        The reference twins run both steps first, in lockstep. Then the graph twin gets both
+        steps back to back: between them the harness only delays (no poisoning, no snapshot, no
+        read), as an engine that schedules the next step while the last one runs. Both steps are
+        judged once the second has returned, each against the references read at its step, and
+        the states over the pair (before the first step, after the second): the writes with the
+        first step, the states after the pair with the second (see `Evidence`).
+        """
+        churned = self._stress(first.stress, previous, first.batch, self._rng(step))
+        graph_before, eager_before = snapshot(self.graph.state()), snapshot(self.eager.state())
+        ref0 = self._references(first.batch)
+        # Read now, after the eager twin's first step: unchanged by it, as the contract asks.
+        kept0 = [(frozen(result), then, at) for result, then, at in kept]
+        ref1: _References | None = None
+        if not ref0.eager.error:  # else the pair fails at its first step
+            stressors.poison_null_block(self.eager.state(), self.spec)
+            ref1 = self._references(second.batch)
+        ended = ref1 is None or bool(ref1.eager.error)
+        eager_after = {} if ended else snapshot(self.eager.state())
+        clean_after = {} if ended else snapshot(self.clean.state())
+
+        held_before = self._graph_result
+        with stressors.delayed_step(self.backend, first.stress):
+            graph0 = step_outcome(self.graph, first.batch)
+        graph1: Outcome | None = None
+        if ref1 is not None and graph0.error is None:
+            stressors.delay(self.backend, second.stress)
+            with stressors.delayed_step(self.backend, second.stress):
+                graph1 = step_outcome(self.graph, second.batch)
+        self._count(first.batch, graph0.result)
+        self.stats.pipelined_steps += 1
+        # A twin that raised owes no consistent state: the pair's states are then not read.
+        states_read = not (graph0.error or ref0.eager.error or ended)
+        states_read = states_read and graph1 is not None and graph1.error is None
+        held = [(held_before, step - 1)] if held_before is not None else []
+        if graph1 is not None and graph1.result is not None:
+            held.append((graph1.result, step + 1))
+        graph_after = snapshot(self.graph.state()) if states_read else {}
+        eager_after = eager_after if states_read else {}
+        judged = [
+            Evidence(
+                batch=first.batch,
+                spec=self.spec,
+                graph=graph0,
+                eager=ref0.eager,
+                clean=ref0.clean,
+                graph_before=graph_before,
+                eager_before=eager_before,
+                graph_after=graph_after,
+                eager_after=eager_after,
+                clean_after={},
+                views=[],
+                kept=kept0,
+                company_batch=ref0.company_batch,
+                company=ref0.company,
+                states_read=states_read,
+                pipelined="first",
+                paired=(second.batch,),
+                held=held,
+                step=step,
+            )
+        ]
+        if ref1 is not None and graph1 is not None:
+            self._count(second.batch, graph1.result)
+            self.stats.pipelined_steps += 1
+            eager0 = ref0.eager.result
+            judged.append(
+                Evidence(
+                    batch=second.batch,
+                    spec=self.spec,
+                    graph=graph1,
+                    eager=ref1.eager,
+                    clean=ref1.clean,
+                    graph_before=graph_before,
+                    eager_before=eager_before,
+                    graph_after=graph_after,
+                    eager_after=eager_after,
+                    clean_after=clean_after if states_read else {},
+                    views=self.graph.address_views() if states_read else [],
+                    kept=(
+                        [(frozen(ref0.live), (eager0.logits, eager0.next_tokens), step)]
+                        if ref0.live is not None and eager0 is not None
+                        else []
+                    ),
+                    company_batch=ref1.company_batch,
+                    company=ref1.company,
+                    states_read=states_read,
+                    pipelined="second",
+                    paired=(first.batch,),
+                    step=step + 1,
+                )
+            )
+        churned.clear()
+        for evidence in judged:
+            violations = self._first_violation(evidence)
+            if violations:
+                self._fail(
+                    violations[0],
+                    evidence.step,
+                    evidence.batch,
+                    events[: second.index + 1],
+                    pair=step,
+                )
+        assert graph1 is not None and ref1 is not None  # a pair that ended early failed above
+        self._graph_result = graph1.result
+        now: list[Kept] = []
+        if graph1.result is not None:
+            now.append((graph1.result, _clones(graph1.result), step + 1))
+        copy = ref1.eager.result  # the eager result's host copy, taken at its step
+        if ref1.live is not None and copy is not None:
+            now.append((ref1.live, (copy.logits, copy.next_tokens), step + 1))
+        return now
 
     def _count(self, batch: Batch, result: StepResult | None) -> None:
         self.stats.steps += 1
@@ -186,10 +386,23 @@ class Lockstep:
                 self.stats.fallback_reasons[result.reason] += 1
 
     def _fail(
-        self, violation: Violation, step: int, batch: Batch, events: Sequence[Batch | Stress]
+        self,
+        violation: Violation,
+        step: int,
+        batch: Batch,
+        events: Sequence[Batch | Stress],
+        pair: int | None = None,
     ) -> None:
         snippet = replay_snippet(
             events, factory=self._factory, backend=self._backend_name, seed=self.seed
+        )
+        pipelined = (
+            []
+            if pair is None
+            else [
+                f"steps {pair} and {pair + 1} ran as a pipelined pair: step {pair + 1} was "
+                f"submitted to the graph twin before anything of step {pair} was read"
+            ]
         )
         message = "\n".join(
             [
@@ -197,9 +410,15 @@ class Lockstep:
                 violation.describe(),
                 f"step {step}: {batch.num_reqs} requests, {batch.num_tokens} tokens, phase "
                 f"{batch.phase}, query lengths {batch.query_lens}",
+                *pipelined,
                 "replay the minimal schedule with:",
                 snippet,
             ]
         )
         failure = Failure(violation.check, step, message, self.seed, snippet)
         raise GraphmodeFailure(failure, self.stats)
+
+
+def _clones(result: StepResult) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host copies of a result's logits and tokens, for `results_stay_valid`."""
+    return result.logits.detach().cpu().clone(), result.next_tokens.detach().cpu().clone()

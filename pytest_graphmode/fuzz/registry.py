@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -37,6 +38,15 @@ class Evidence:
     When a twin raised, the states after the step and the address views are not read (a runner
     that raised owes no consistent state): they are empty, and only the checks that judge raising
     twins run.
+
+    A pipelined pair (docs/contract.md) leaves one `Evidence` per step (`pipelined` says which),
+    the first step's judged first. Both hold the pair's states, taken before the first step and
+    after the second, and name the other step's batch in `paired`, whose writes the states also
+    hold. The first step's judges the writes (`kv_writes_confined`: a stray write is the root
+    cause of most wrong values, so it is named before either step's results) and leaves out the
+    clean twin's state; the second step's judges the states after the pair (`states_match`,
+    `padding_inert`). `held` lists the graph twin's results the caller held unread beside the
+    first step's own (the step before's and the second step's).
     """
 
     batch: Batch
@@ -53,6 +63,11 @@ class Evidence:
     kept: Sequence[Kept]
     company_batch: Batch | None
     company: Outcome | None
+    states_read: bool = True
+    pipelined: Literal["first", "second"] | None = None
+    paired: Sequence[Batch] = ()
+    held: Sequence[tuple[StepResult, int]] = ()
+    step: int = 0  # the step's index in its schedule, for the messages that name another step
 
     @property
     def twin_raised(self) -> bool:
@@ -71,9 +86,24 @@ class Check:
 
 def _kv_writes_confined(e: Evidence) -> list[Violation]:
     return [
-        *kv_checks.kv_writes_confined(e.batch, e.graph_before, e.graph_after, e.spec, "graph"),
-        *kv_checks.kv_writes_confined(e.batch, e.eager_before, e.eager_after, e.spec, "eager"),
+        *kv_checks.kv_writes_confined(
+            e.batch, e.graph_before, e.graph_after, e.spec, "graph", e.paired
+        ),
+        *kv_checks.kv_writes_confined(
+            e.batch, e.eager_before, e.eager_after, e.spec, "eager", e.paired
+        ),
     ]
+
+
+def _results_stay_valid(e: Evidence) -> list[Violation]:
+    found = [v for r, snap, at in e.kept for v in checks.results_stay_valid(r, snap, at)]
+    if e.graph.result is not None:
+        found += [
+            v
+            for other, at in e.held
+            for v in checks.results_disjoint(e.graph.result, e.step, other, at)
+        ]
+    return found
 
 
 def _sampling_independent(e: Evidence) -> list[Violation]:
@@ -87,7 +117,11 @@ NO_DEVICE_FAULT = "no_device_fault"
 
 REGISTRY: tuple[Check, ...] = (
     # A stray KV write is the root cause of most wrong logits: judge it first.
-    Check(kv_checks.KV_WRITES_CONFINED, _kv_writes_confined),
+    Check(
+        kv_checks.KV_WRITES_CONFINED,
+        _kv_writes_confined,
+        applies=lambda e: e.states_read and e.pipelined != "second",
+    ),
     # A sampler that reads the wrong row or a stale seed also makes the graph twin's tokens (and
     # with padding noise its logits) differ from eager: naming the sampler before the generic
     # logits comparison points at the cause instead of the symptom.
@@ -96,6 +130,9 @@ REGISTRY: tuple[Check, ...] = (
         _sampling_independent,
         applies=lambda e: e.company is not None and e.company_batch is not None,
     ),
+    # A result that a later step overwrote reads wrong: in a pipelined pair, the first step's is
+    # read only after the second step ran. Name the overwrite before the wrong values.
+    Check(checks.RESULTS_STAY_VALID, _results_stay_valid),
     Check(
         checks.REPLAY_MATCHES_EAGER,
         lambda e: checks.replay_matches_eager(e.batch, e.graph, e.eager, e.spec),
@@ -104,16 +141,13 @@ REGISTRY: tuple[Check, ...] = (
     Check(
         checks.PADDING_INERT,
         lambda e: checks.padding_inert(
-            e.batch, e.graph, e.clean, e.graph_after, e.clean_after, e.spec
+            e.batch, e.graph, e.clean, e.graph_after, e.clean_after, e.spec, e.paired
         ),
     ),
     Check(
         kv_checks.STATES_MATCH,
         lambda e: kv_checks.states_match(e.batch, e.graph_after, e.eager_after, e.spec),
-    ),
-    Check(
-        checks.RESULTS_STAY_VALID,
-        lambda e: [v for r, snap, at in e.kept for v in checks.results_stay_valid(r, snap, at)],
+        applies=lambda e: e.states_read and e.pipelined != "first",
     ),
     # A runner that tracks no address views (`address_views()` is []) gives these nothing to
     # judge: not counted as run, so the summary can say "not applicable".

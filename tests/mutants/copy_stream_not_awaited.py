@@ -15,19 +15,10 @@ import torch
 
 from pytest_graphmode.contract import Batch
 from tests.runners import minimal
+from tests.runners.overlapped import PACKED, unpack
 
 BUG_CLASS = 8
 EXPECTED_CHECK = "replay_matches_eager"
-PACKED = ("tokens", "positions", "slots", "tables", "seeds")
-
-
-def unpack(packed: torch.Tensor, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    fields, offset = {}, 0
-    for name in PACKED:
-        width = shapes[name].numel()
-        fields[name] = packed[offset : offset + width].view(shapes[name])
-        offset += width
-    return fields
 
 
 class CopyStreamNotAwaited(minimal.MinimalRunner):

@@ -17,9 +17,8 @@ from tests.runners import minimal
 
 BUG_CLASS = 2
 EXPECTED_CHECK = "replay_matches_eager"
-# The poisoned and the clean graph twin draw different noise for the same logits too, and the
-# company twin (run before the logits comparison) draws other noise than the graph twin for the
-# same sampled request.
+# The poisoned and the clean graph twin draw different noise for the same logits too, and so do
+# the eager twin and the company twin that runs a sub-batch of the same requests.
 ALSO_SEEN_BY = ("padding_inert", "sampling_independent")
 
 

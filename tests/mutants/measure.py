@@ -20,22 +20,24 @@ from typing import Any
 
 from pytest_graphmode.contract import TargetFactory
 
-CORRECT_TARGETS = ("runtime", "runtime_piecewise", "runtime_vmm", "minimal")
+CORRECT_TARGETS = ("runtime", "runtime_piecewise", "runtime_vmm", "minimal", "overlapped")
 
 
 def correct_factory(name: str) -> TargetFactory:
     """The correct targets: the default target, its piecewise and vmm variants (the mutants of
-    classes 9 and 12 start from those), and the independent minimal runner."""
+    classes 9 and 12 start from those), the independent minimal runner, and its variant that
+    overlaps its steps on side streams (the mutant `upload_event_skipped` starts from it)."""
     from functools import partial
 
     from pytest_graphmode.runtime.target import make_target
-    from tests.runners import minimal
+    from tests.runners import minimal, overlapped
 
     factories: dict[str, Callable[..., Any]] = {
         "runtime": make_target,
         "runtime_piecewise": partial(make_target, piecewise=True),
         "runtime_vmm": partial(make_target, memory="vmm"),
         "minimal": minimal.make_target,
+        "overlapped": overlapped.make_target,
     }
     return factories[name]
 

@@ -69,12 +69,24 @@ def test_worker_summaries_merge_through_json() -> None:
     assert controller.stats.failures == [FAILURE]
 
 
+def test_pipelined_steps_survive_json_and_add_up_across_campaigns() -> None:
+    summary = SessionSummary()
+    summary.add_campaign(campaign(pipelined_steps=4))
+    summary.merge(
+        SessionSummary.from_json(SessionSummary(1, campaign(pipelined_steps=6)).to_json())
+    )
+    assert summary.stats.pipelined_steps == 10
+
+
 def test_summary_lines_show_paths_buckets_reasons_checks_and_failures() -> None:
     summary = SessionSummary()
-    summary.add_campaign(campaign(buckets_hit=Counter({16: 1, 2: 3}), failures=[FAILURE]))
+    summary.add_campaign(
+        campaign(buckets_hit=Counter({16: 1, 2: 3}), pipelined_steps=6, failures=[FAILURE])
+    )
     assert summary_lines(summary, base_seed=3121328572) == [
         "campaigns: 1  examples: 3  steps: 20  time: 1.5 s",
         "paths: full 15  piecewise 0  eager 5",
+        "pipelined: 6 of 20 steps (in pairs, the second submitted before the first was read)",
         "buckets hit: 2: 3, 16: 1",
         "fallback reasons: prefill: 5",
         "checks run: replay_matches_eager: 20",
@@ -98,7 +110,7 @@ def test_fallback_reasons_are_grouped_by_cause_with_the_top_few_shown() -> None:
             "adapter 4 not captured": 1,
         }
     )
-    line = summary_lines(SessionSummary(1, campaign(fallback_reasons=reasons)))[3]
+    line = summary_lines(SessionSummary(1, campaign(fallback_reasons=reasons)))[4]
     assert line == (
         "fallback reasons: batch of N tokens exceeds the largest capture size N: 62, "
         "non-uniform query lengths (mixed batch): 50, "

@@ -1,0 +1,155 @@
+"""Pipelined pairs: the graph twin gets a pair's second step before anything of the first is read,
+pairs never chain, both steps are judged, and the draws include them unless told not to."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pytest_graphmode.contract import Batch, Request, StepResult
+from pytest_graphmode.fuzz import GraphmodeFailure, replay
+from pytest_graphmode.fuzz.checks import RESULTS_STAY_VALID, results_disjoint
+from pytest_graphmode.fuzz.kv_checks import kv_writes_confined
+from pytest_graphmode.strategies.plans import StepPlan, Stress
+from pytest_graphmode.strategies.rank_schedules import rank_steps
+from pytest_graphmode.strategies.scheduler import compile_schedule
+from pytest_graphmode.strategies.schedules import schedules
+from tests.fuzz import toy
+from tests.fuzz.test_mutants import EXPECTED, PLANS
+
+PAIRED = Stress(pipelined=True)
+# Steps 2 and 5 are pipelined: the pairs are (1, 2) and (4, 5); the spec step 3 (a weight update)
+# and the decode step 6 run in lockstep.
+PIPELINED_PLANS = [
+    dataclasses.replace(plan, stress=PAIRED) if step in (2, 5) else plan
+    for step, plan in enumerate(PLANS)
+]
+EVENTS = compile_schedule(toy.SPEC, PIPELINED_PLANS, seed=5)
+
+
+def test_a_pipelined_stress_refuses_churn_and_weight_updates() -> None:
+    with pytest.raises(ValueError, match="pipelined=True"):
+        Stress(pipelined=True, churn=1)
+    with pytest.raises(ValueError, match="pipelined=True"):
+        Stress(pipelined=True, weight_seed=3)
+
+
+def test_the_correct_toy_passes_with_pipelined_pairs() -> None:
+    stats = replay(EVENTS, factory=toy.make_target, seed=3)
+    assert stats.failures == []
+    assert (stats.steps, stats.pipelined_steps) == (len(PLANS), 4)
+
+
+@pytest.mark.parametrize("bug", sorted(EXPECTED))
+def test_each_toy_mutant_fails_its_check_with_pipelined_pairs(bug: str) -> None:
+    with pytest.raises(GraphmodeFailure) as caught:
+        replay(EVENTS, factory=toy.factory([bug]), seed=3)
+    assert caught.value.failure.check == EXPECTED[bug]
+
+
+class _Recording:
+    """A toy target that logs the contract calls a driver makes on it."""
+
+    def __init__(self, mode: str, *, seed: int, backend: str) -> None:
+        self.target = toy.ToyTarget(mode, seed=seed, backend=backend)
+        self.spec = self.target.spec
+        self.log: list[str] = []
+        _MADE.append(self)
+
+    def step(self, batch: Batch) -> StepResult:
+        self.log.append(f"step {batch.num_reqs}")
+        return self.target.step(batch)
+
+    def state(self) -> Mapping[str, torch.Tensor]:
+        self.log.append("state")
+        return self.target.state()
+
+    def static_buffers(self) -> Mapping[str, torch.Tensor]:
+        self.log.append("static_buffers")
+        return self.target.static_buffers()
+
+    def address_views(self) -> Any:
+        self.log.append("address_views")
+        return self.target.address_views()
+
+    def update_weights(self, seed: int) -> None:
+        self.target.update_weights(seed)
+
+    def close(self) -> None:
+        self.target.close()
+
+
+_MADE: list[_Recording] = []
+
+
+def test_the_graph_twin_gets_the_second_step_before_anything_of_the_first_is_read() -> None:
+    first = Batch((Request(1, (3,), 0, (1,)),))
+    second = Batch((Request(1, (4,), 1, (1,)), Request(2, (5,), 0, (2,))))
+    _MADE.clear()
+    stats = replay([first, PAIRED, second], factory=_Recording, seed=1)
+    graph = _MADE[0]  # the lockstep driver makes the graph twin first
+    assert stats.pipelined_steps == 2
+    assert graph.log[graph.log.index("step 1") + 1] == "step 2"
+
+
+def test_pairs_do_not_chain() -> None:
+    batches = [Batch((Request(1, (3 + i,), i, (1,)),)) for i in range(4)]
+    chained = [batches[0], PAIRED, batches[1], PAIRED, batches[2], PAIRED, batches[3]]
+    assert replay(chained, factory=toy.make_target, seed=1).pipelined_steps == 4
+    alone = [batches[0], PAIRED, batches[1], PAIRED, batches[2], batches[3]]
+    assert replay(alone, factory=toy.make_target, seed=1).pipelined_steps == 2
+
+
+def test_results_held_at_once_must_not_share_memory() -> None:
+    buffer = torch.zeros(4, toy.SPEC.vocab_size)
+    tokens = torch.zeros(4, dtype=torch.long)
+    earlier = StepResult(buffer[:2], tokens[:2].clone(), "full", 2)
+    later = StepResult(buffer[1:3], tokens[:2].clone(), "full", 2)
+    (violation,) = results_disjoint(earlier, 4, later, 5)
+    assert violation.check == RESULTS_STAY_VALID
+    assert "step 5 wrote into the result of step 4" in violation.detail
+    apart = StepResult(buffer[2:4], tokens[2:4], "full", 2)
+    assert results_disjoint(earlier, 4, apart, 5) == []
+    empty = StepResult(buffer[:0], tokens[:0], "eager", None)
+    assert results_disjoint(empty, 4, StepResult(buffer[:0], tokens[:0], "eager", None), 5) == []
+
+
+def test_kv_writes_of_a_pair_may_touch_either_steps_slots() -> None:
+    spec = toy.SPEC
+    first = Batch((Request(1, (3,), 0, (1,)),))
+    second = Batch((Request(2, (4,), 0, (2,)),))
+    before = {"kv": torch.zeros(spec.num_slots, 2)}
+    after = {"kv": before["kv"].clone()}
+    after["kv"][1 * spec.block_size] = 1.0  # the first step's slot
+    assert kv_writes_confined(second, before, after, spec, also=(first,)) == []
+    (violation,) = kv_writes_confined(second, before, after, spec)
+    assert "this step does not write" in violation.detail
+    after["kv"][3 * spec.block_size] = 1.0
+    (violation,) = kv_writes_confined(second, before, after, spec, also=(first,))
+    assert "these two steps do not write" in violation.detail
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_only_the_single_rank_draws_are_pipelined(data: st.DataObject) -> None:
+    plans: list[StepPlan] = data.draw(schedules(toy.SPEC, pipelined=False))
+    assert not any(plan.stress.pipelined for plan in plans)
+    assert not data.draw(rank_steps(toy.SPEC, ranks=2)).stress.pipelined
+
+
+def test_the_default_draws_include_pipelined_steps() -> None:
+    drawn: list[bool] = []
+
+    @settings(max_examples=60, deadline=None, database=None)
+    @given(schedules(toy.SPEC))
+    def draw(plans: list[StepPlan]) -> None:
+        drawn.extend(plan.stress.pipelined for plan in plans)
+
+    draw()
+    assert any(drawn) and not all(drawn)
