@@ -86,10 +86,11 @@ class _Interrupter:
     def arm(self, at: int) -> None:
         self.at, self.seen = at, 0
 
-    def point(self, label: str) -> None:
+    def point(self, label: object) -> None:
+        """One point; `label` (a string, or an ATen operation) says which."""
         self.seen += 1
         if self.labels is not None:
-            self.labels.append(label)
+            self.labels.append(str(label))
         if self.seen == self.at:
             raise KeyboardInterrupt(f"injected at point {self.seen}: {label}")
 
@@ -131,7 +132,7 @@ def _points(
 
     def operation(func: Any, args: Any, kwargs: Any) -> Any:
         if not backend._passthrough:  # the sim's own work, not the runtime's
-            interrupter.point(str(func))
+            interrupter.point(func)
         return dispatch(func, args, kwargs)
 
     patched: list[tuple[object, str]] = []

@@ -371,7 +371,9 @@ class SimBackend:
                 "capture_end (cudaErrorStreamCaptureUnjoined): make the capturing stream "
                 "wait_stream() on each side stream after its last work"
             )
-        graph._program = active.capture.finish()
+        # Internal: instantiating the graph computes views of its own memory, which are no
+        # scheduling points for queued work and no operations of the caller.
+        graph._program = self._internal(active.capture.finish)
 
     def _abort_capture(self, graph: SimGraph) -> None:
         """End `graph`'s capture, if it is under way, keeping nothing of it. (A graph whose
