@@ -15,9 +15,9 @@ interrupted gives, bit for bit, with the same KV cache, static buffers and graph
 replay of the graph it kept.
 
 Attempt k reruns the step up to point k, so a step of n points costs about n**2 / 2 points. To keep
-that affordable the decoder has one layer (every kind of operation, half the operations of two),
-each case's reference runs once per process, and each case's points are split into parts of
-equal cost that pytest-xdist can run side by side.
+that affordable the decoder has one layer (every kind of operation, a third fewer points than two),
+each case's reference runs once per process, and each case's points are split into parts of equal
+cost that pytest-xdist can run side by side.
 """
 
 from __future__ import annotations
