@@ -87,13 +87,24 @@ def warm_up(backend: Backend, run: Callable[[], object]) -> None:
     writes are exactly the ones the replay that follows repeats, so the step's result and the
     cache are the same as with one run."""
     side = backend.Stream()
-    side.wait_stream(backend.current_stream())
     try:
+        side.wait_stream(backend.current_stream())
         with backend.stream(side):
             run()
     finally:
         # Also when interrupted: whatever the side stream queued is ordered before later work.
-        backend.current_stream().wait_stream(side)
+        _join(backend, side)
+
+
+def _join(backend: Backend, side: Any) -> None:
+    """Make the current stream wait for everything `side` queued. Interrupted half way (the
+    event recorded on `side`, not yet waited on), it joins again before the interrupt goes on."""
+    current = backend.current_stream()
+    try:
+        current.wait_stream(side)
+    except BaseException:
+        current.wait_stream(side)
+        raise
 
 
 def capture_full(backend: Backend, key: GraphKey, run: StepFn, memory: Any) -> FullGraph:
@@ -104,11 +115,11 @@ def capture_full(backend: Backend, key: GraphKey, run: StepFn, memory: Any) -> F
     try:
         with backend.graph(graph, pool=memory.pool_for(key)):
             logits, next_tokens = run()
+        memory.captured(key)
     except BaseException:
         graph.reset()
-        memory.discard(key)
+        _discard(memory, key)
         raise
-    memory.captured(key)
     return FullGraph(key, graph, logits, next_tokens, time.perf_counter() - started)
 
 
@@ -123,6 +134,7 @@ def capture_pieces(
     """Warm up, then capture the decoder body on `inputs` as the piecewise graph of `key`."""
     started = time.perf_counter()
     warm_up(backend, lambda: decoder.forward(inputs, use_adapters=key.adapters))
+    pieces: PiecewiseGraph | None = None
     try:
         pieces = capture_piecewise(
             backend,
@@ -133,9 +145,17 @@ def capture_pieces(
             decoder.attention,
             pool=memory.pool_for(key),
         )
+        memory.captured(key)
     except BaseException:
-        memory.discard(key)
+        if pieces is not None:
+            pieces.reset()
+        _discard(memory, key)
         raise
-    memory.captured(key)
     seconds = time.perf_counter() - started
     return PiecewiseStep(key, pieces, decoder, inputs, sampling, seconds)
+
+
+def _discard(memory: Any, key: GraphKey) -> None:
+    """Give back `key`'s pool view, if it got one: an interrupt can come before `pool_for`."""
+    if memory.holds(key):
+        memory.discard(key)

@@ -159,7 +159,11 @@ class GraphExecutor:
                 logits, next_tokens = run()
         except BaseException:
             if fresh is not None:
-                self._release(fresh)
+                # Its replay may be queued already, and must not outlive its graph and memory.
+                try:
+                    self.backend.current_stream().synchronize()
+                finally:
+                    self._release(fresh)
             raise
         # Bookkeeping only once the step is done, so an interrupted step counts nothing.
         if fresh is not None:

@@ -41,6 +41,10 @@ class GraphMemory(Protocol):
 
     def pool_for(self, key: Hashable) -> object: ...
 
+    def holds(self, key: Hashable) -> bool:
+        """Whether `key` has a pool: from `pool_for(key)` until `discard(key)`."""
+        ...
+
     def captured(self, key: Hashable) -> None: ...
 
     def discard(self, key: Hashable) -> None: ...
@@ -105,6 +109,9 @@ class HandlePoolMemory:
         self._handles[key] = handle
         return handle
 
+    def holds(self, key: Hashable) -> bool:
+        return key in self._handles
+
     def captured(self, key: Hashable) -> None:
         self._require(key)
 
@@ -155,6 +162,9 @@ class VmmMemory:
         if isinstance(self.pool, HostPool):
             return self.pool.new_view(key)
         return self.pool.new_view(key).pool_id
+
+    def holds(self, key: Hashable) -> bool:
+        return key in self.pool
 
     def captured(self, key: Hashable) -> None:
         self.pool.view(key).seal()

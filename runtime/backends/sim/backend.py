@@ -234,13 +234,15 @@ class SimBackend:
     ) -> Iterator[SimGraph]:
         self.synchronize()
         with self.stream(stream if stream is not None else self._capture_stream):
-            cuda_graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+            # An interrupt right after capture_begin or right before capture_end must not leave
+            # the stream capturing: every later operation would be recorded, not run.
             try:
+                cuda_graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
                 yield cuda_graph
+                cuda_graph.capture_end()
             except BaseException:
                 self._abort_capture(cuda_graph)
                 raise
-            cuda_graph.capture_end()
 
     def empty_pinned(
         self, size: int | tuple[int, ...], dtype: torch.dtype = torch.float32
@@ -376,12 +378,16 @@ class SimBackend:
                 "capture_end (cudaErrorStreamCaptureUnjoined): make the capturing stream "
                 "wait_stream() on each side stream after its last work"
             )
-        graph._program = active.capture.finish()
+        # Internal: instantiating the graph computes views of its own memory, which are no
+        # scheduling points for queued work and no operations of the caller.
+        graph._program = self._internal(active.capture.finish)
 
     def _abort_capture(self, graph: SimGraph) -> None:
+        """End `graph`'s capture, if it is under way, keeping nothing of it. (A graph whose
+        capture never began keeps what it holds: capture_begin refused it.)"""
         if self._active is not None and self._active.graph is graph:
             self._active = None
-        graph._program = None
+            graph._program = None
 
     @staticmethod
     def _check_seed(active: _Active) -> None:

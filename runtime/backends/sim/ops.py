@@ -98,6 +98,11 @@ def allocates(func: Any) -> bool:
     return func in EMPTY_OPS or bool(fresh_return_positions(func))
 
 
+# The schema facts below are asked for every operation the sim queues or records: each is
+# computed once per operation.
+
+
+@functools.cache
 def is_view(func: Any) -> bool:
     """Every return aliases an input without writing it (view, alias, detach, split...)."""
     rets = func._schema.returns
@@ -107,16 +112,25 @@ def is_view(func: Any) -> bool:
 def written_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors this call writes in place (self of add_, out= of add.out), in schema order."""
     written: list[torch.Tensor] = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
+    for i, name in _written_parameters(func):
+        value = args[i] if i < len(args) else kwargs.get(name)
         written.extend(t for t in _flat(value) if isinstance(t, torch.Tensor))
     return written
 
 
-def fresh_return_positions(func: Any) -> list[int]:
-    return [i for i, r in enumerate(func._schema.returns) if r.alias_info is None]
+@functools.cache
+def _written_parameters(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each parameter the operation writes in place."""
+    return tuple(
+        (i, arg.name)
+        for i, arg in enumerate(func._schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    )
+
+
+@functools.cache
+def fresh_return_positions(func: Any) -> tuple[int, ...]:
+    return tuple(i for i, r in enumerate(func._schema.returns) if r.alias_info is None)
 
 
 _META_CACHE: dict[Any, list[Any]] = {}
