@@ -1,8 +1,10 @@
 """Hypothesis strategies for step plans and whole schedules, derived from a `TargetSpec`.
 
 Row counts are drawn mostly next to capture sizes (c - 1, c, c + 1), so consecutive steps cross
-bucket boundaries in both directions (3 -> 9 -> 2 requests); prompt lengths and chunks reach past
-the largest capture size, so some steps must take the eager path. Consecutive steps of the same
+bucket boundaries in both directions (3 -> 9 -> 2 requests) and most steps have padding rows;
+prompt lengths sit often on a block boundary or at the per-request block limit (the longest
+context a request may have), and prompt lengths and chunks reach past the largest capture size,
+so some steps must take the eager path. Consecutive steps of the same
 size but another kind, query length or adapter mix are what probe an incomplete graph key.
 """
 
@@ -36,6 +38,14 @@ def arrivals(spec: TargetSpec) -> st.SearchStrategy[Arrival]:
     capacity = _capacity(spec)
     largest = spec.capture_sizes[-1] if spec.capture_sizes else 1
     long_prompt = min(capacity, max(largest + 1, 2 * spec.block_size))
+    # One token either side of a block boundary, and at the block limit: the last blocks of the
+    # table fill (and its last column is used) only for requests that long.
+    size = spec.block_size
+    edges = sorted(
+        n
+        for n in {size - 1, size, size + 1, capacity - 2, capacity - 1, capacity}
+        if 1 <= n <= capacity
+    )
     seeds = st.none()
     if "sampling" in spec.features:
         seeds = st.one_of(st.none(), st.integers(0, 2**31 - 1))
@@ -43,7 +53,9 @@ def arrivals(spec: TargetSpec) -> st.SearchStrategy[Arrival]:
     return st.builds(
         Arrival,
         prompt_len=st.one_of(
-            st.integers(1, min(capacity, 2 * spec.block_size)), st.integers(1, long_prompt)
+            st.integers(1, min(capacity, 2 * spec.block_size)),
+            st.integers(1, long_prompt),
+            st.sampled_from(edges),
         ),
         seed=seeds,
         temperature=st.sampled_from(TEMPERATURES),
@@ -53,9 +65,10 @@ def arrivals(spec: TargetSpec) -> st.SearchStrategy[Arrival]:
 
 def arrival_lists(spec: TargetSpec) -> st.SearchStrategy[list[Arrival]]:
     """None, a few of any length, or a crowd of short prompts: a crowd is what lets decode steps
-    grow past the larger buckets (3 -> 9 -> 2 requests) within a dozen steps."""
+    grow past the larger buckets (3 -> 9 -> 2 requests) within a dozen steps. A crowd's size is a
+    row count, mostly next to a capture size, so the decode steps it starts are padded."""
     short = arrivals(spec).map(lambda a: dataclasses.replace(a, prompt_len=1 + a.prompt_len % 3))
-    crowd = st.lists(short, min_size=2, max_size=max(2, spec.max_num_reqs // 2))
+    crowd = row_counts(spec).flatmap(lambda n: st.lists(short, min_size=n, max_size=n))
     return st.one_of(st.just([]), st.lists(arrivals(spec), max_size=4), crowd)
 
 
