@@ -162,6 +162,7 @@ class Lockstep:
             kept=kept,
             company_batch=sub,
             company=company,
+            races=self.backend.take_races(),
         )
         for check in REGISTRY:
             if (raised and not check.judges_raising_twins) or not check.applies(evidence):

@@ -19,12 +19,14 @@ from pytest_graphmode.fuzz import (
     addresses,
     checks,
     kv_checks,
+    race_check,
     rank_checks,
     sampling_check,
 )
 from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.kv_checks import State
 from pytest_graphmode.fuzz.violation import Violation
+from pytest_graphmode.runtime.backends.race import Race
 
 Kept = tuple[StepResult, tuple[torch.Tensor, torch.Tensor], int]
 """A result returned at an earlier step, clones of its logits and tokens then, and that step."""
@@ -53,6 +55,10 @@ class Evidence:
     kept: Sequence[Kept]
     company_batch: Batch | None
     company: Outcome | None
+    # Stream races the backend found since the previous step's checks: during the twins' steps
+    # (all four run the same runner code) and the harness work around them; None where the
+    # backend has no race checker (cuda).
+    races: Sequence[Race] | None = None
 
     @property
     def twin_raised(self) -> bool:
@@ -86,6 +92,13 @@ def _sampling_independent(e: Evidence) -> list[Violation]:
 NO_DEVICE_FAULT = "no_device_fault"
 
 REGISTRY: tuple[Check, ...] = (
+    # A race is a root cause, reported before it corrupts a value: judge it before any value.
+    Check(
+        race_check.NO_STREAM_RACES,
+        lambda e: race_check.no_stream_races(e.races or ()),
+        judges_raising_twins=True,
+        applies=lambda e: e.races is not None,
+    ),
     # A stray KV write is the root cause of most wrong logits: judge it first.
     Check(kv_checks.KV_WRITES_CONFINED, _kv_writes_confined),
     # A sampler that reads the wrong row or a stale seed also makes the graph twin's tokens (and

@@ -24,6 +24,7 @@ MODULES = (
     "result_buffer_reused",
     "staging_buffer_reused",
     "copy_stream_not_awaited",
+    "copy_stream_staging_reused",
     "pool_growth",
     "sampling_outside_capture",
     "piecewise_fresh_output",

@@ -98,25 +98,62 @@ def allocates(func: Any) -> bool:
     return func in EMPTY_OPS or bool(fresh_return_positions(func))
 
 
+@functools.cache
 def is_view(func: Any) -> bool:
     """Every return aliases an input without writing it (view, alias, detach, split...)."""
     rets = func._schema.returns
     return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
 
 
+@functools.cache
+def _written_positions(func: Any) -> tuple[tuple[int, str], ...]:
+    return tuple(
+        (i, arg.name)
+        for i, arg in enumerate(func._schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    )
+
+
 def written_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors this call writes in place (self of add_, out= of add.out), in schema order."""
     written: list[torch.Tensor] = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
+    for i, name in _written_positions(func):
+        value = args[i] if i < len(args) else kwargs.get(name)
         written.extend(t for t in _flat(value) if isinstance(t, torch.Tensor))
     return written
 
 
+def touched(
+    func: Any, args: Sequence[Any], kwargs: dict[str, Any], fresh: Sequence[torch.Tensor]
+) -> list[tuple[torch.Tensor, bool]]:
+    """Every tensor the call touches and whether it writes it: its written arguments and fresh
+    outputs are written, its other tensor arguments read."""
+    written = written_args(func, args, kwargs) if _written_positions(func) else []
+    found = [(t, True) for t in written]
+    for x in (*args, *kwargs.values()):
+        for t in (x,) if isinstance(x, torch.Tensor) else _flat(x):
+            if isinstance(t, torch.Tensor) and not any(t is w for w in written):
+                found.append((t, False))
+    found.extend((t, True) for t in fresh)
+    return found
+
+
+@functools.cache
+def _fresh_positions(func: Any) -> tuple[int, ...]:
+    return tuple(i for i, r in enumerate(func._schema.returns) if r.alias_info is None)
+
+
 def fresh_return_positions(func: Any) -> list[int]:
-    return [i for i, r in enumerate(func._schema.returns) if r.alias_info is None]
+    return list(_fresh_positions(func))
+
+
+def fresh_outputs(func: Any, result: Any) -> list[torch.Tensor]:
+    """The returns of a call that are new tensors (not its arguments, not views of them)."""
+    positions = _fresh_positions(func)
+    if not positions:
+        return []
+    results = result if isinstance(result, tuple | list) else [result]
+    return [t for p in positions for t in _flat(results[p]) if isinstance(t, torch.Tensor)]
 
 
 _META_CACHE: dict[Any, list[Any]] = {}

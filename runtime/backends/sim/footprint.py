@@ -1,0 +1,173 @@
+"""Which bytes an operation touches, and which line of the program issued it.
+
+A tensor's footprint is the byte interval of its storage that its elements span, plus its layout
+when it does not cover that interval densely (a strided view, an expanded tensor): two views of one
+buffer whose intervals overlap conflict only if they share a byte, which `overlap` decides from the
+layouts. The race checker (happens_before.py) keys its history by storage base address and keeps
+footprints, never tensors or storages, so it keeps no memory alive.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+import pytest_graphmode.runtime.backends as _backends_package
+
+# Above this many elements, strided overlap is not refined: the intervals' overlap is reported.
+_REFINE_LIMIT = 1 << 22
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """The bytes of one storage that a tensor covers."""
+
+    storage: int  # base address of the storage: the key of its access history
+    lo: int  # first byte, relative to the storage
+    hi: int  # one past the last byte
+    # (storage offset, sizes, strides) in elements, when the tensor skips bytes of [lo, hi)
+    strided: tuple[int, tuple[int, ...], tuple[int, ...]] | None
+    itemsize: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None  # None for a range of bytes (a graph's merged accesses)
+
+    def describe(self) -> str:
+        if self.dtype is None:
+            return f"{self.hi - self.lo} bytes of graph memory"
+        return f"tensor {list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+
+    def covers(self, other: Footprint) -> bool:
+        """Every byte of `other` is one of this footprint's (decided for dense footprints)."""
+        if self == other:
+            return True
+        return self.strided is None and self.lo <= other.lo and other.hi <= self.hi
+
+
+def of(t: torch.Tensor) -> tuple[torch.UntypedStorage, Footprint] | None:
+    """The storage of `t` and the footprint of `t` in it; None for an empty tensor."""
+    shape = tuple(t.shape)
+    stride = t.stride()
+    span = 1
+    numel = 1
+    for size, step in zip(shape, stride, strict=True):
+        if size == 0:
+            return None
+        span += (size - 1) * step
+        numel *= size
+    storage = t.untyped_storage()
+    item = t.element_size()
+    offset = t.storage_offset()
+    # span == numel: every element slot of the interval is one of the tensor's elements.
+    strided = None if span == numel else (offset, shape, tuple(stride))
+    lo = offset * item
+    return storage, Footprint(
+        storage.data_ptr(), lo, lo + span * item, strided, item, shape, t.dtype
+    )
+
+
+def byte_range(storage: int, lo: int, hi: int) -> Footprint:
+    """A dense range of bytes with no tensor of its own (what a graph replay touches)."""
+    return Footprint(storage, lo, hi, None, 1, (hi - lo,), None)
+
+
+def merge(touched: Iterable[tuple[Footprint, bool]]) -> list[tuple[Footprint, bool]]:
+    """The same bytes in fewer footprints: dense ranges of one storage read (or written) are
+    united where they meet; strided footprints are kept as they are, each once. A graph replay
+    checks its accesses at every launch, so they are merged once, at capture end."""
+    kept: dict[tuple[Footprint, bool], None] = {}
+    dense: dict[tuple[int, bool], set[Footprint]] = {}
+    for fp, write in touched:
+        if fp.strided is None:
+            dense.setdefault((fp.storage, write), set()).add(fp)
+        else:
+            kept[(fp, write)] = None
+    merged = list(kept)
+    for (storage, write), fps in dense.items():
+        run: list[Footprint] = []
+        end = 0
+        for fp in sorted(fps, key=lambda f: (f.lo, f.hi)):
+            if run and fp.lo > end:
+                merged.append((_united(storage, run), write))
+                run = []
+            run.append(fp)
+            end = max(end, fp.hi) if len(run) > 1 else fp.hi
+        merged.append((_united(storage, run), write))
+    return merged
+
+
+def _united(storage: int, run: list[Footprint]) -> Footprint:
+    if len(run) == 1:
+        return run[0]  # keeps its tensor's shape and dtype for the report
+    return byte_range(storage, min(f.lo for f in run), max(f.hi for f in run))
+
+
+def overlap(a: Footprint, b: Footprint) -> tuple[int, int] | None:
+    """The byte range (relative to the storage) where `a` and `b` share bytes, or None.
+
+    Runs torch operations: call it where the sim does not intercept them.
+    """
+    lo, hi = max(a.lo, b.lo), min(a.hi, b.hi)
+    if lo >= hi or a.storage != b.storage:
+        return None
+    if a.strided is None and b.strided is None:
+        return lo, hi
+    starts_a, starts_b = _element_starts(a), _element_starts(b)
+    if starts_a is None or starts_b is None:
+        return lo, hi  # too large to refine: the intervals' overlap stands
+    # Byte intervals [s, s + itemsize) of `a` that meet one of `b`'s: b's elements are disjoint
+    # and sorted, so the candidate is the last one starting before the end of a's element.
+    index = torch.searchsorted(starts_b, starts_a + a.itemsize) - 1
+    valid = index >= 0
+    hit = valid & (starts_b[index.clamp(min=0)] + b.itemsize > starts_a)
+    if not bool(hit.any()):
+        return None
+    shared = starts_a[hit]
+    return int(shared.min()), int(shared.max()) + a.itemsize
+
+
+def _element_starts(f: Footprint) -> torch.Tensor | None:
+    """Sorted, distinct byte offsets of the footprint's elements."""
+    if f.strided is None:
+        return torch.arange(f.lo, f.hi, f.itemsize, dtype=torch.int64)
+    offset, sizes, strides = f.strided
+    numel = 1
+    for size in sizes:
+        numel *= size
+    if numel > _REFINE_LIMIT:
+        return None
+    starts = torch.full((1,), offset, dtype=torch.int64)
+    for size, step in zip(sizes, strides, strict=True):
+        starts = (starts[:, None] + torch.arange(size, dtype=torch.int64) * step).reshape(-1)
+    return torch.unique(starts) * f.itemsize
+
+
+# -- the line of the program ---------------------------------------------------------------------
+
+_HIDDEN = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, _backends_package))
+_hidden_code: dict[object, bool] = {}
+
+
+def source_line() -> tuple[str, int]:
+    """(file, line) of the innermost frame outside torch and outside the backends: the line of the
+    runner (or harness) that issued the operation. Keeps no frame."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        hidden = _hidden_code.get(code)
+        if hidden is None:
+            hidden = _hidden_code[code] = code.co_filename.startswith(_HIDDEN)
+        if not hidden:
+            return code.co_filename, frame.f_lineno
+        frame = frame.f_back  # type: ignore[assignment]
+    return "<unknown>", 0
+
+
+def format_line(line: tuple[str, int]) -> str:
+    """`path:line`, the path relative to the working directory when it lies below it."""
+    path, lineno = line
+    here = os.getcwd() + os.sep
+    return f"{path.removeprefix(here)}:{lineno}"
