@@ -64,6 +64,7 @@ class Lockstep:
         self.backend: Backend = backends.get(backend)
         self.backend.set_scheduler_seed(seed)
         self.backend.activate()  # for the twins' life: close() deactivates
+        self.backend.take_races()  # found before this example: not its races
         self._activated = True
         self._factory, self._backend_name, self.seed, self.stats = factory, backend, seed, stats
         self._targets: list[GraphTarget] = []

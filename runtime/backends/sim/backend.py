@@ -450,8 +450,12 @@ class SimBackend:
             if storage is not None:
                 touched.append((storage, fp, write))
         races = self._races
-        accesses = races.access(races.agent(self._current), touched, "graph replay")
-        watches = self._watch_pinned_reads(accesses, [storage for storage, _, _ in touched])
+        reads_pinned = any(not write and fp.storage in self._pinned for _, fp, write in touched)
+        accesses = races.access(
+            races.agent(self._current), touched, "graph replay", keep=reads_pinned
+        )
+        storages = [storage for storage, _, _ in touched] if accesses else []
+        watches = self._watch_pinned_reads(accesses, storages)
 
         def run() -> None:
             for watch in watches:
@@ -473,23 +477,36 @@ class SimBackend:
         return bool(self._pinned) and t.untyped_storage().data_ptr() in self._pinned
 
     def _note(
-        self, stream: SimStream | None, touched: list[tuple[torch.Tensor, bool]], op: str
+        self,
+        stream: SimStream | None,
+        touched: list[tuple[torch.Tensor, bool]],
+        op: str,
+        *,
+        keep: bool = False,
     ) -> list[Any]:
-        """Tell the race checker what an operation issued now touches; stream None: the host."""
+        """Tell the race checker what an operation issued now touches; stream None: the host.
+        `keep`: judge and record now, and return the accesses (see RaceChecker.access)."""
         races = self._races
         found = []
         for t, write in touched:
             located = footprint.of(t)
             if located is not None:
                 found.append((located[0], located[1], write))
-        return races.access(HOST if stream is None else races.agent(stream), found, op)
+        return races.access(HOST if stream is None else races.agent(stream), found, op, keep=keep)
 
     def _note_call(
-        self, stream: SimStream | None, func: Any, args: Any, kwargs: Any, result: Any
+        self,
+        stream: SimStream | None,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        result: Any,
+        tensors: list[torch.Tensor],
     ) -> None:
         if not ops.is_view(func) and func not in ops.EMPTY_OPS:
             fresh = ops.fresh_outputs(func, result)
-            self._note(stream, ops.touched(func, args, kwargs, fresh), ops.op_name(func))
+            touched = ops.touched(func, args, kwargs, fresh, tensors)
+            self._note(stream, touched, ops.op_name(func))
 
     def _watch_pinned_reads(self, accesses: list[Any], storages: list[Any]) -> list[Any]:
         """Pinned bytes read by queued device work: watched for host writes torch cannot see."""
@@ -510,7 +527,7 @@ class SimBackend:
         if tensors and all(pinned):
             self.scheduler.maybe_progress()  # the device keeps working while the host does
             result = func(*args, **kwargs)  # host code on host memory
-            self._note_call(None, func, args, kwargs, result)
+            self._note_call(None, func, args, kwargs, result, tensors)
             return result
         stream = self._current
         active = self._active
@@ -524,7 +541,7 @@ class SimBackend:
                         "capture_error_mode='relaxed'"
                     )
                 result = func(*args, **kwargs)  # not part of the capture: runs at once
-                self._note_call(stream, func, args, kwargs, result)
+                self._note_call(stream, func, args, kwargs, result, tensors)
                 return result
             self._check_seed(active)
             active.ops_on[stream] += 1
@@ -535,8 +552,10 @@ class SimBackend:
         if func is ops.aten.copy_.default and any(pinned):
             non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
             dst, src = args[0], args[1]
+            src_pinned = self._is_pinned(src)
             if non_blocking:
-                accesses = self._note(stream, [(src, False), (dst, True)], "aten.copy_")
+                touched = [(src, False), (dst, True)]
+                accesses = self._note(stream, touched, "aten.copy_", keep=src_pinned)
                 reads = [access for access in accesses if not access.write]
                 watches = self._watch_pinned_reads(reads, [src.untyped_storage()] * len(reads))
                 races = self._races
@@ -564,7 +583,7 @@ class SimBackend:
         if stream is self._default:
             self.scheduler.drain(stream)
             result = func(*args, **kwargs)
-            self._note_call(stream, func, args, kwargs, result)
+            self._note_call(stream, func, args, kwargs, result, tensors)
             return result
         return self._defer(stream, func, args, kwargs)
 

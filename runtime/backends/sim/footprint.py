@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -22,9 +22,9 @@ import pytest_graphmode.runtime.backends as _backends_package
 _REFINE_LIMIT = 1 << 22
 
 
-@dataclass(frozen=True, slots=True)
-class Footprint:
-    """The bytes of one storage that a tensor covers."""
+class Footprint(NamedTuple):
+    """The bytes of one storage that a tensor covers (a tuple: made for every tensor of every
+    operation, so it must be cheap)."""
 
     storage: int  # base address of the storage: the key of its access history
     lo: int  # first byte, relative to the storage
@@ -49,21 +49,22 @@ class Footprint:
 
 def of(t: torch.Tensor) -> tuple[torch.UntypedStorage, Footprint] | None:
     """The storage of `t` and the footprint of `t` in it; None for an empty tensor."""
-    shape = tuple(t.shape)
-    stride = t.stride()
-    span = 1
-    numel = 1
-    for size, step in zip(shape, stride, strict=True):
-        if size == 0:
-            return None
-        span += (size - 1) * step
-        numel *= size
     storage = t.untyped_storage()
     item = t.element_size()
     offset = t.storage_offset()
+    lo = offset * item
+    if t.is_contiguous():
+        nbytes = t.nbytes
+        if nbytes == 0:
+            return None
+        return storage, Footprint(storage.data_ptr(), lo, lo + nbytes, None, item, t.shape, t.dtype)
+    numel = t.numel()
+    if numel == 0:
+        return None
+    shape, stride = tuple(t.shape), t.stride()
+    span = 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
     # span == numel: every element slot of the interval is one of the tensor's elements.
     strided = None if span == numel else (offset, shape, tuple(stride))
-    lo = offset * item
     return storage, Footprint(
         storage.data_ptr(), lo, lo + span * item, strided, item, shape, t.dtype
     )
@@ -148,7 +149,7 @@ def _element_starts(f: Footprint) -> torch.Tensor | None:
 # -- the line of the program ---------------------------------------------------------------------
 
 _HIDDEN = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, _backends_package))
-_hidden_code: dict[object, bool] = {}
+_hidden_files: dict[str, bool] = {}
 
 
 def source_line() -> tuple[str, int]:
@@ -156,12 +157,12 @@ def source_line() -> tuple[str, int]:
     runner (or harness) that issued the operation. Keeps no frame."""
     frame = sys._getframe(1)
     while frame is not None:
-        code = frame.f_code
-        hidden = _hidden_code.get(code)
+        path = frame.f_code.co_filename
+        hidden = _hidden_files.get(path)  # a str caches its hash: cheaper than a code object's
         if hidden is None:
-            hidden = _hidden_code[code] = code.co_filename.startswith(_HIDDEN)
+            hidden = _hidden_files[path] = path.startswith(_HIDDEN)
         if not hidden:
-            return code.co_filename, frame.f_lineno
+            return path, frame.f_lineno
         frame = frame.f_back  # type: ignore[assignment]
     return "<unknown>", 0
 

@@ -41,6 +41,7 @@ HOST = -1
 Clock = dict[int, int]
 Touch = tuple[torch.UntypedStorage, Footprint, bool]
 """A storage, the bytes of it an operation touches, and whether it writes them."""
+_LoggedTouch = tuple[weakref.ref[torch.UntypedStorage], Footprint, bool]
 
 # Accesses kept per storage before the oldest is forgotten (a race with it would be missed).
 _PER_STORAGE = 64
@@ -97,6 +98,11 @@ class RaceChecker:
         self._watches: list[_Watch] = []
         self._found: list[Race] = []
         self._seen: set[tuple[str, str, str, str]] = set()
+        # Agents with accesses the host has not passed; while there is at most one, its accesses
+        # are logged, not recorded (`access`).
+        self._pending: set[int] = set()
+        self._log_agent = HOST
+        self._log: list[tuple[int, str, tuple[str, int], list[_LoggedTouch]]] = []
 
     def take(self) -> list[Race]:
         """The races found since the last call, first found first; forgets them."""
@@ -127,7 +133,11 @@ class RaceChecker:
 
     def host_waits(self, clock: Clock) -> None:
         """The host waited for an event (or a stream) that carries `clock`."""
-        _join(self._clocks[HOST], clock)
+        host = self._clocks[HOST]
+        _join(host, clock)
+        self._pending = {a for a in self._pending if host.get(a, 0) < self._clocks[a].get(a, 0)}
+        if self._log_agent not in self._pending:
+            self._log.clear()
         self._check_passed_watches()
 
     def host_waits_for(self, agent: int) -> None:
@@ -139,6 +149,8 @@ class RaceChecker:
         host = self._clocks[HOST]
         for sid in list(self._streams):
             _join(host, self._clocks[sid])
+        self._pending.clear()
+        self._log.clear()
         self._check_passed_watches()
         self._history.clear()
         for sid, ref in list(self._streams.items()):
@@ -149,12 +161,32 @@ class RaceChecker:
 
     # -- accesses ---------------------------------------------------------------------------------
 
-    def access(self, agent: int, touched: Sequence[Touch], op: str) -> list[_Access]:
-        """An operation issued now on `agent` touches these bytes; returns its accesses."""
+    def access(
+        self, agent: int, touched: Sequence[Touch], op: str, *, keep: bool = False
+    ) -> list[_Access]:
+        """An operation issued now on `agent` touches these bytes. With `keep`, its accesses are
+        judged and recorded now and returned (to `watch` them). Otherwise, while `agent` has
+        waited for all work the host has not passed (the common case: one stream at work), they
+        are only logged: nothing can race with them until another agent issues work, which
+        records the log first, and the log is dropped once the host passes them."""
         clock = self._clocks[agent]
         epoch = clock.get(agent, 0) + 1
         clock[agent] = epoch
+        pending = self._pending
+        solo = all(b == agent or clock.get(b, 0) >= self._clocks[b].get(b, 0) for b in pending)
+        if agent == HOST and solo:
+            return []  # nothing unpassed to race with, and the host passes its own work at once
         line = source_line()
+        if solo and not keep:
+            if self._log_agent != agent:
+                self._flush()
+            pending.add(agent)
+            self._log_agent = agent
+            self._log.append((epoch, op, line, [(weakref.ref(s), fp, w) for s, fp, w in touched]))
+            return []
+        self._flush()
+        if agent != HOST:
+            pending.add(agent)
         made = []
         for storage, fp, write in touched:
             new = _Access(fp, write, agent, epoch, op, line)
@@ -207,6 +239,21 @@ class RaceChecker:
         for watch in list(self._watches):
             if host.get(watch.access.agent, 0) >= watch.access.epoch:
                 self.check(watch, drop=True)
+
+    def _flush(self) -> None:
+        """Another agent issues work: record the logged accesses it may race with."""
+        if not self._log:
+            return
+        agent, host = self._log_agent, self._clocks[HOST]
+        clock = self._clocks[agent]
+        for epoch, op, line, touched in self._log:
+            if host.get(agent, 0) >= epoch:
+                continue  # passed by the host: ordered before everything from now on
+            for ref, fp, write in touched:
+                storage = ref()
+                if storage is not None:  # freed memory is never accessed again as such
+                    self._add(storage, _Access(fp, write, agent, epoch, op, line), clock)
+        self._log.clear()
 
     def _add(self, storage: torch.UntypedStorage, new: _Access, clock: Clock) -> None:
         fp = new.fp

@@ -124,16 +124,23 @@ def written_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list
 
 
 def touched(
-    func: Any, args: Sequence[Any], kwargs: dict[str, Any], fresh: Sequence[torch.Tensor]
+    func: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    fresh: Sequence[torch.Tensor],
+    tensors: Sequence[torch.Tensor] | None = None,
 ) -> list[tuple[torch.Tensor, bool]]:
     """Every tensor the call touches and whether it writes it: its written arguments and fresh
-    outputs are written, its other tensor arguments read."""
-    written = written_args(func, args, kwargs) if _written_positions(func) else []
-    found = [(t, True) for t in written]
-    for x in (*args, *kwargs.values()):
-        for t in (x,) if isinstance(x, torch.Tensor) else _flat(x):
-            if isinstance(t, torch.Tensor) and not any(t is w for w in written):
-                found.append((t, False))
+    outputs are written, its other tensor arguments read. `tensors`: the tensor arguments (lists
+    flattened), when the caller has them already."""
+    if tensors is None:
+        tensors = [t for x in (*args, *kwargs.values()) for t in _flat(x)]
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if _written_positions(func):
+        written = written_args(func, args, kwargs)
+        found = [(t, any(t is w for w in written)) for t in tensors]
+    else:
+        found = [(t, False) for t in tensors]
     found.extend((t, True) for t in fresh)
     return found
 
