@@ -45,8 +45,9 @@ How each bug class of docs/bug-classes.md is provoked (before the arrow) and see
 6. addresses: allocator churn, eager steps above the largest capture size
    -> replay_matches_eager, padding_inert
 7. aliasing: results kept across the next step -> results_stay_valid
-8. async staging: cuda: a sleep kernel before the step; sim: a reseeded stream order
-   -> replay_matches_eager
+8. async staging: cuda: a sleep kernel before the step; sim: a reseeded stream order, and the
+   happens-before race checker, which needs no lucky order
+   -> no_stream_races (sim), replay_matches_eager
 9. pool accounting: several buckets captured per example
    -> pool_within_bound, address_views_disjoint
 10. capture coverage: fresh inputs on every replay after capture

@@ -100,9 +100,7 @@ def test_the_host_reads_a_pinned_download_only_after_a_synchronization(sim, sync
         (slice(0, 5), slice(4, 8), 1),  # one shared column
     ],
 )
-def test_views_of_one_buffer_race_only_where_they_share_bytes(
-    sim, side_view, default_view, races
-):
+def test_views_of_one_buffer_race_only_where_they_share_bytes(sim, side_view, default_view, races):
     buf, side = torch.zeros(4, 8), sim.Stream()
     side.wait_stream(sim.current_stream())
     sim.take_races()

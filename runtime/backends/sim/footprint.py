@@ -51,7 +51,7 @@ def of(t: torch.Tensor) -> tuple[torch.UntypedStorage, Footprint] | None:
     """The storage of `t` and the footprint of `t` in it; None for an empty tensor."""
     storage = t.untyped_storage()
     item = t.element_size()
-    offset = t.storage_offset()
+    offset = int(t.storage_offset())
     lo = offset * item
     if t.is_contiguous():
         nbytes = t.nbytes

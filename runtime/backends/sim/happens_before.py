@@ -82,7 +82,7 @@ class _Watch:
 
     def bytes_now(self) -> torch.Tensor:
         fp = self.access.fp
-        return torch.empty(0, dtype=torch.uint8).set_(self.storage, fp.lo, (fp.hi - fp.lo,))
+        return torch.empty(0, dtype=torch.uint8).set_(self.storage, fp.lo, (fp.hi - fp.lo,), (1,))
 
 
 class RaceChecker:
@@ -271,7 +271,7 @@ class RaceChecker:
             ordered = passed or old.agent == new.agent or clock.get(old.agent, 0) >= old.epoch
             if (new.write or old.write) and old.fp.lo < fp.hi and fp.lo < old.fp.hi:
                 if not ordered:
-                    span = self._internal(lambda old=old: overlap(old.fp, fp))
+                    span = self._shared(old.fp, fp)
                     if span is not None:
                         self._report(old, fp, self._side(new), span)
                 if new.write and old.watch is not None:
@@ -283,6 +283,10 @@ class RaceChecker:
         if len(kept) > _PER_STORAGE:
             del kept[0]
         history.accesses = kept
+
+    def _shared(self, a: Footprint, b: Footprint) -> tuple[int, int] | None:
+        span: tuple[int, int] | None = self._internal(lambda: overlap(a, b))
+        return span
 
     def _sweep(self) -> None:
         host = self._clocks[HOST]
