@@ -8,6 +8,8 @@ before them on that stream); work on other streams and `non_blocking` copies to 
 are queued and run by the seeded scheduler, and so is every graph replay, even on the default stream
 (replay is asynchronous, as on a GPU). Inside a capture, operations on the capturing streams are
 recorded, not computed. Host-side operations on pinned memory always run at once, as host code does.
+Every operation is also judged, when it is issued, by the happens-before race checker
+(happens_before.py): `take_races()` hands over the races it found.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class SimBackend:
         self._activations = 0
         self._mode: _SimMode | None = None
         self._original_tolist: Callable[..., Any] | None = None
-        self._races = RaceChecker(self._internal)
+        self._races = RaceChecker()
 
     # -- activation ----------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ footprints, never tensors or storages, so it keeps no memory alive.
 
 from __future__ import annotations
 
+import bisect
 import os
 import sys
 from collections.abc import Iterable
@@ -19,7 +20,7 @@ import torch
 import pytest_graphmode.runtime.backends as _backends_package
 
 # Above this many elements, strided overlap is not refined: the intervals' overlap is reported.
-_REFINE_LIMIT = 1 << 22
+_REFINE_LIMIT = 1 << 18
 
 
 class Footprint(NamedTuple):
@@ -109,7 +110,8 @@ def _united(storage: int, run: list[Footprint]) -> Footprint:
 def overlap(a: Footprint, b: Footprint) -> tuple[int, int] | None:
     """The byte range (relative to the storage) where `a` and `b` share bytes, or None.
 
-    Runs torch operations: call it where the sim does not intercept them.
+    Pure Python, no torch operation: it runs inside the dispatcher, where another dispatch mode
+    (a test's, a profiler's) must not see the checker's work.
     """
     lo, hi = max(a.lo, b.lo), min(a.hi, b.hi)
     if lo >= hi or a.storage != b.storage:
@@ -119,31 +121,35 @@ def overlap(a: Footprint, b: Footprint) -> tuple[int, int] | None:
     starts_a, starts_b = _element_starts(a), _element_starts(b)
     if starts_a is None or starts_b is None:
         return lo, hi  # too large to refine: the intervals' overlap stands
-    # Byte intervals [s, s + itemsize) of `a` that meet one of `b`'s: b's elements are disjoint
-    # and sorted, so the candidate is the last one starting before the end of a's element.
-    index = torch.searchsorted(starts_b, starts_a + a.itemsize) - 1
-    valid = index >= 0
-    hit = valid & (starts_b[index.clamp(min=0)] + b.itemsize > starts_a)
-    if not bool(hit.any()):
+    # b's elements are disjoint and sorted: the candidate for each of a's is the last b element
+    # that starts before a's element ends.
+    shared = [
+        s
+        for s in starts_a
+        if (i := bisect.bisect_left(starts_b, s + a.itemsize) - 1) >= 0
+        and starts_b[i] + b.itemsize > s
+    ]
+    if not shared:
         return None
-    shared = starts_a[hit]
-    return int(shared.min()), int(shared.max()) + a.itemsize
+    return shared[0], shared[-1] + a.itemsize
 
 
-def _element_starts(f: Footprint) -> torch.Tensor | None:
+def _element_starts(f: Footprint) -> list[int] | None:
     """Sorted, distinct byte offsets of the footprint's elements."""
     if f.strided is None:
-        return torch.arange(f.lo, f.hi, f.itemsize, dtype=torch.int64)
+        if (f.hi - f.lo) // f.itemsize > _REFINE_LIMIT:
+            return None
+        return list(range(f.lo, f.hi, f.itemsize))
     offset, sizes, strides = f.strided
     numel = 1
     for size in sizes:
         numel *= size
     if numel > _REFINE_LIMIT:
         return None
-    starts = torch.full((1,), offset, dtype=torch.int64)
+    starts = [offset]
     for size, step in zip(sizes, strides, strict=True):
-        starts = (starts[:, None] + torch.arange(size, dtype=torch.int64) * step).reshape(-1)
-    return torch.unique(starts) * f.itemsize
+        starts = [s + i * step for s in starts for i in range(size)]
+    return sorted({s * f.itemsize for s in starts})
 
 
 # -- the line of the program ---------------------------------------------------------------------

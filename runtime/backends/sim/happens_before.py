@@ -20,8 +20,9 @@ and the other limits mean).
 
 from __future__ import annotations
 
+import ctypes
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,19 +79,18 @@ class _Watch:
 
     access: _Access
     storage: torch.UntypedStorage
-    snapshot: torch.Tensor
+    snapshot: bytes
 
-    def bytes_now(self) -> torch.Tensor:
+    def bytes_now(self) -> bytes:
+        """The watched bytes, read without a torch operation (sim memory is host memory)."""
         fp = self.access.fp
-        return torch.empty(0, dtype=torch.uint8).set_(self.storage, fp.lo, (fp.hi - fp.lo,), (1,))
+        return ctypes.string_at(self.storage.data_ptr() + fp.lo, fp.hi - fp.lo)
 
 
 class RaceChecker:
     """The clocks and access histories of one sim backend; `take()` hands over what it found."""
 
-    def __init__(self, internal: Callable[[Callable[[], Any]], Any]) -> None:
-        # Runs torch operations the sim must not intercept (refinement, snapshots).
-        self._internal = internal
+    def __init__(self) -> None:
         self._clocks: dict[int, Clock] = {HOST: {HOST: 0}}
         self._streams: dict[int, weakref.ref[Any]] = {}
         self._names: dict[int, str] = {HOST: "the host"}
@@ -200,8 +200,8 @@ class RaceChecker:
         legitimate writes would look like changes."""
         if access.fp.strided is not None or access.agent == HOST:
             return None
-        watch = _Watch(access, storage, torch.empty(0))
-        watch.snapshot = self._internal(lambda: watch.bytes_now().clone())
+        watch = _Watch(access, storage, b"")
+        watch.snapshot = watch.bytes_now()
         access.watch = watch
         self._watches.append(watch)
         return watch
@@ -216,7 +216,7 @@ class RaceChecker:
         """Report a changed watched range as a host write that raced with the queued read."""
         if watch.access.watch is not watch:
             return  # already reported or dropped
-        if self._internal(lambda: torch.equal(watch.bytes_now(), watch.snapshot)):
+        if watch.bytes_now() == watch.snapshot:
             if drop:
                 self._drop(watch)
             return
@@ -271,7 +271,7 @@ class RaceChecker:
             ordered = passed or old.agent == new.agent or clock.get(old.agent, 0) >= old.epoch
             if (new.write or old.write) and old.fp.lo < fp.hi and fp.lo < old.fp.hi:
                 if not ordered:
-                    span = self._shared(old.fp, fp)
+                    span = overlap(old.fp, fp)
                     if span is not None:
                         self._report(old, fp, self._side(new), span)
                 if new.write and old.watch is not None:
@@ -283,10 +283,6 @@ class RaceChecker:
         if len(kept) > _PER_STORAGE:
             del kept[0]
         history.accesses = kept
-
-    def _shared(self, a: Footprint, b: Footprint) -> tuple[int, int] | None:
-        span: tuple[int, int] | None = self._internal(lambda: overlap(a, b))
-        return span
 
     def _sweep(self) -> None:
         host = self._clocks[HOST]
