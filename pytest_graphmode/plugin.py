@@ -252,10 +252,10 @@ def pytest_terminal_summary(
 
 def _check_descriptions() -> dict[str, str]:
     """Every check's name -> the first sentence of its oracle's docstring, in registry order."""
-    from pytest_graphmode.fuzz import addresses, checks, kv_checks, sampling_check
+    from pytest_graphmode.fuzz import addresses, checks, kv_checks, race_check, sampling_check
     from pytest_graphmode.fuzz.registry import CHECKS
 
-    modules = (checks, kv_checks, addresses, sampling_check)
+    modules = (race_check, checks, kv_checks, addresses, sampling_check)
     descriptions = {}
     for name in CHECKS:
         oracle = next((getattr(m, name) for m in modules if hasattr(m, name)), None)

@@ -48,9 +48,11 @@ How each bug class of docs/bug-classes.md is provoked (before the arrow) and see
 7. aliasing: results kept across the next step, and in pipelined pairs held unread while it
    runs -> results_stay_valid
 8. async staging: cuda: a sleep kernel before the step and, in the graph twin's step, ahead of
-   every asynchronous host copy and event record on its own stream; sim: a reseeded stream order;
-   both: pipelined pairs, the next step sent before the last one is read -> replay_matches_eager
-   (no_device_fault where the stale values are used as indices)
+   every asynchronous host copy and event record on its own stream; sim: a reseeded stream order,
+   and the happens-before race checker, which needs no lucky order; both: pipelined pairs, the
+   next step sent before the last one is read
+   -> no_stream_races (sim), replay_matches_eager (no_device_fault where the stale values are
+   used as indices)
 9. pool accounting: several buckets captured per example
    -> pool_within_bound, address_views_disjoint
 10. capture coverage: fresh inputs on every replay after capture

@@ -119,6 +119,7 @@ class Lockstep:
         self.backend: Backend = backends.get(backend)
         self.backend.set_scheduler_seed(seed)
         self.backend.activate()  # for the twins' life: close() deactivates
+        self.backend.take_races()  # found before this example: not its races
         self._activated = True
         self._factory, self._backend_name, self.seed, self.stats = factory, backend, seed, stats
         self._targets: list[GraphTarget] = []
@@ -225,6 +226,7 @@ class Lockstep:
             company_batch=sub,
             company=company,
             step=step,
+            races=self.backend.take_races(),
         )
         self._graph_result = graph.result
         return self._first_violation(evidence), now
@@ -324,6 +326,8 @@ class Lockstep:
                 paired=(second.batch,),
                 held=held,
                 step=step,
+                # Everything both steps of every twin left: judged with the first step.
+                races=self.backend.take_races(),
             )
         ]
         if ref1 is not None and graph1 is not None:

@@ -20,12 +20,14 @@ from pytest_graphmode.fuzz import (
     addresses,
     checks,
     kv_checks,
+    race_check,
     rank_checks,
     sampling_check,
 )
 from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.kv_checks import State
 from pytest_graphmode.fuzz.violation import Violation
+from pytest_graphmode.runtime.backends.race import Race
 
 Kept = tuple[StepResult, tuple[torch.Tensor, torch.Tensor], int]
 """A result returned at an earlier step, clones of its logits and tokens then, and that step."""
@@ -68,6 +70,10 @@ class Evidence:
     paired: Sequence[Batch] = ()
     held: Sequence[tuple[StepResult, int]] = ()
     step: int = 0  # the step's index in its schedule, for the messages that name another step
+    # Stream races the backend found since the previous step's checks: during the twins' steps
+    # (all four run the same runner code) and the harness work around them; None where the
+    # backend has no race checker (cuda).
+    races: Sequence[Race] | None = None
 
     @property
     def twin_raised(self) -> bool:
@@ -116,6 +122,13 @@ def _sampling_independent(e: Evidence) -> list[Violation]:
 NO_DEVICE_FAULT = "no_device_fault"
 
 REGISTRY: tuple[Check, ...] = (
+    # A race is a root cause, reported before it corrupts a value: judge it before any value.
+    Check(
+        race_check.NO_STREAM_RACES,
+        lambda e: race_check.no_stream_races(e.races or ()),
+        judges_raising_twins=True,
+        applies=lambda e: e.races is not None,
+    ),
     # A stray KV write is the root cause of most wrong logits: judge it first.
     Check(
         kv_checks.KV_WRITES_CONFINED,

@@ -5,6 +5,7 @@ present. The surface (names and semantics as in torch.cuda): `Graph`, `graph(g, 
 `graph_pool_handle()`, `Stream`, `Event`, `stream(s)`, `current_stream()`, `default_stream()`,
 `synchronize()`, `empty_pinned(size, dtype=)`, `device`, `name`, `CaptureError`,
 `UseAfterFreeError`, `set_scheduler_seed(seed)` (orders independent streams on sim; no-op on cuda),
+`take_races()` (the stream races sim's happens-before checker found, as `Race`s; None on cuda),
 and `active()` / `activate()` / `deactivate()` / `is_active`: a backend changes nothing in the process
 until activated (on sim: torch is routed through its dispatch mode while any activation is open, and
 restored exactly when the last ends; no-ops on cuda). Targets and the harness activate it themselves.
@@ -24,6 +25,7 @@ from pytest_graphmode.runtime.backends.protocol import (
     GraphHandle,
     StreamHandle,
 )
+from pytest_graphmode.runtime.backends.race import Race, RaceSide
 
 BACKEND_NAMES = ("auto", "cuda", "sim")
 _instances: dict[str, Backend] = {}
@@ -65,6 +67,8 @@ __all__ = [
     "CaptureError",
     "EventHandle",
     "GraphHandle",
+    "Race",
+    "RaceSide",
     "StreamHandle",
     "UseAfterFreeError",
     "capture_error_of",

@@ -53,6 +53,10 @@ class CudaBackend:
     def set_scheduler_seed(self, seed: int) -> None:
         """Stream order on a GPU is the hardware's: nothing to seed (sim-only knob)."""
 
+    def take_races(self) -> None:
+        """No race checker on a GPU (sim has one): nothing to hand over."""
+        return None
+
     def empty_pinned(
         self, size: int | tuple[int, ...], dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:

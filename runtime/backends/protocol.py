@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
+from pytest_graphmode.runtime.backends.race import Race
 
 if TYPE_CHECKING:
     import torch
@@ -102,6 +103,10 @@ class Backend(Protocol):
     ) -> torch.Tensor: ...  # dtype defaults to float32
 
     def set_scheduler_seed(self, seed: int) -> None: ...
+
+    # The stream races found since the last call (sim's happens-before checker, first found
+    # first); None where the backend has no checker (cuda).
+    def take_races(self) -> list[Race] | None: ...
 
     # A backend changes nothing process-wide until activated (sim: torch is routed through it while
     # any activation is open); activations nest. No-ops on cuda.

@@ -17,8 +17,8 @@ from tests.runners import minimal
 
 BUG_CLASS = 2
 EXPECTED_CHECK = "replay_matches_eager"
-# The poisoned and the clean graph twin draw different noise for the same logits too, and so do
-# the eager twin and the company twin that runs a sub-batch of the same requests.
+# The poisoned and the clean graph twin draw different noise for the same logits too, and a
+# request samples differently beside other requests than alone (its seed is ignored).
 ALSO_SEEN_BY = ("padding_inert", "sampling_independent")
 
 

@@ -16,6 +16,7 @@ import importlib
 import pytest
 
 from pytest_graphmode.fuzz import Failure, GraphmodeFailure, run_campaign
+from pytest_graphmode.fuzz.race_check import NO_STREAM_RACES
 from tests.mutants.budget import detection_settings
 from tests.mutants.measure import CORRECT_TARGETS, correct_factory
 from tests.mutants.zoo import MUTANTS, Mutant
@@ -51,6 +52,22 @@ def _first_failure(mutant: Mutant) -> Failure | None:
         except GraphmodeFailure as caught:
             return caught.failure
     return None
+
+
+RACE_MUTANTS = [mutant for mutant in MUTANTS if mutant.bug_class == 8]
+
+
+@pytest.mark.parametrize("mutant", RACE_MUTANTS, ids=[mutant.name for mutant in RACE_MUTANTS])
+def test_a_race_mutant_is_caught_by_one_example_on_every_seed(mutant: Mutant) -> None:
+    for seed in DETECTION_SEEDS:
+        with pytest.raises(GraphmodeFailure) as caught:
+            run_campaign(mutant.factory, backend="sim", seed=seed, settings=detection_settings(1))
+        failure = caught.value.failure
+        assert failure.check == NO_STREAM_RACES, failure.message
+        # Both sides: the access that was not waited for, the one that raced with it, and where.
+        assert "\n  read by " in failure.message and "\n  write by " in failure.message
+        assert "is not ordered before" in failure.message
+        assert f"{mutant.name}.py:" in failure.message
 
 
 @pytest.mark.parametrize("seed", NO_FALSE_POSITIVE_SEEDS)

@@ -25,6 +25,7 @@ MODULES = (
     "staging_buffer_reused",
     "copy_stream_not_awaited",
     "upload_event_skipped",
+    "copy_stream_staging_reused",
     "pool_growth",
     "sampling_outside_capture",
     "piecewise_fresh_output",

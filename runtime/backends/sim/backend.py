@@ -8,6 +8,8 @@ before them on that stream); work on other streams and `non_blocking` copies to 
 are queued and run by the seeded scheduler, and so is every graph replay, even on the default stream
 (replay is asynchronous, as on a GPU). Inside a capture, operations on the capturing streams are
 recorded, not computed. Host-side operations on pinned memory always run at once, as host code does.
+Every operation is also judged, when it is issued, by the happens-before race checker
+(happens_before.py): `take_races()` hands over the races it found.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
-from pytest_graphmode.runtime.backends.sim import ops
+from pytest_graphmode.runtime.backends.race import Race
+from pytest_graphmode.runtime.backends.sim import footprint, ops
 from pytest_graphmode.runtime.backends.sim.capture import Capture, Program
+from pytest_graphmode.runtime.backends.sim.happens_before import HOST, RaceChecker
 from pytest_graphmode.runtime.backends.sim.pool import SimCapturePool, SimPoolHandle, poison_
 from pytest_graphmode.runtime.backends.sim.streams import (
     SimEvent,
@@ -139,6 +143,7 @@ class SimBackend:
         self._activations = 0
         self._mode: _SimMode | None = None
         self._original_tolist: Callable[..., Any] | None = None
+        self._races = RaceChecker()
 
     # -- activation ----------------------------------------------------------------------------
 
@@ -175,6 +180,8 @@ class SimBackend:
                     self.scheduler.drain_all()
                 except Exception as exc:
                     error = error or exc
+            if self._active is None:
+                self._races.host_waits_for_all()
             torch.Tensor.tolist = self._original_tolist  # type: ignore[method-assign]
             self._mode.__exit__(None, None, None)
             self._mode = None
@@ -220,6 +227,12 @@ class SimBackend:
     def synchronize(self) -> None:
         self._forbid_in_capture("synchronize()")
         self.scheduler.drain_all()
+        self._races.host_waits_for_all()
+
+    def take_races(self) -> list[Race]:
+        """The stream races the happens-before checker found since the last call, first found
+        first (at most a few dozen; each pair of lines once). See docs/backends.md."""
+        return self._races.take()
 
     def graph_pool_handle(self) -> SimPoolHandle:
         return SimPoolHandle()
@@ -281,6 +294,8 @@ class SimBackend:
                 "(cudaErrorStreamCaptureIsolation): a graph cannot depend on uncaptured work; "
                 "record the event inside the capture, or wait before capturing"
             )
+        if event.clock is not None:
+            self._races.wait(self._races.agent(stream), event.clock)
         if marker is None or marker.done:
             return
         self.scheduler.enqueue(stream, new_wait(marker))
@@ -292,39 +307,57 @@ class SimBackend:
         if active is not None and stream in active.unjoined:
             event.capture_position = (active, active.ops_on[stream])
             event.marker = None
+            event.clock = None
             return
         event.capture_position = None
         event.marker = new_marker(event)
+        event.clock = self._races.record(self._races.agent(stream))
         self.scheduler.enqueue(stream, event.marker)
 
     def event_query(self, event: SimEvent) -> bool:
         self._forbid_in_capture("Event.query()")
         self.scheduler.maybe_progress()
-        return event.marker is None or event.marker.done
+        done = event.marker is None or event.marker.done
+        if done and event.clock is not None:
+            self._races.host_waits(event.clock)  # the host saw it complete
+        return done
 
     def event_synchronize(self, event: SimEvent) -> None:
         self._forbid_in_capture("Event.synchronize()")
         if event.marker is not None:
             self.scheduler.run_until(event.marker)
+        if event.clock is not None:
+            self._races.host_waits(event.clock)
 
     def stream_query(self, stream: SimStream) -> bool:
         self._forbid_in_capture("Stream.query()")
         self.scheduler.maybe_progress()
-        return not self.scheduler.has_work(stream)
+        done = not self.scheduler.has_work(stream)
+        if done:
+            self._races.host_waits_for(self._races.agent(stream))
+        return done
 
     def stream_synchronize(self, stream: SimStream) -> None:
         self._forbid_in_capture("Stream.synchronize()")
         self.scheduler.drain(stream)
+        self._races.host_waits_for(self._races.agent(stream))
 
-    def host_read(self, what: str) -> None:
-        """The host is about to read device memory: in a capture that is illegal, else it waits."""
+    def host_read(self, what: str, t: torch.Tensor | None = None) -> None:
+        """The host is about to read device memory (`t`, when known): in a capture that is
+        illegal, else it waits for the current stream, which copies it to the host."""
         active = self._active
         if active is not None and self._current in active.unjoined:
             raise active.capture.fail(
                 f"{what} cannot be captured: a host read of a device value. Move it out of the "
                 "capture region, or keep the value on the device."
             )
-        self.scheduler.drain(self._current)
+        if t is not None:
+            self._note(self._current, [(t, False)], what)
+        self._host_waits_for(self._current)
+
+    def _host_waits_for(self, stream: SimStream) -> None:
+        self.scheduler.drain(stream)
+        self._races.host_waits_for(self._races.agent(stream))
 
     def _forbid_in_capture(self, what: str) -> None:
         if self._active is not None:
@@ -426,8 +459,25 @@ class SimBackend:
         # Asynchronous, as on a GPU, even on the default stream: replay() returns before the graph
         # ran, so host writes to pinned memory it reads, and host reads of pinned memory it
         # writes, race with it until something waits for the stream.
-        work = new_work(lambda: self._internal(program.run), "graph replay", None)
-        self.scheduler.enqueue(self._current, work)
+        touched = []
+        for ref, fp, write in program.accesses:
+            storage = ref()
+            if storage is not None:
+                touched.append((storage, fp, write))
+        races = self._races
+        reads_pinned = any(not write and fp.storage in self._pinned for _, fp, write in touched)
+        accesses = races.access(
+            races.agent(self._current), touched, "graph replay", keep=reads_pinned
+        )
+        storages = [storage for storage, _, _ in touched] if accesses else []
+        watches = self._watch_pinned_reads(accesses, storages)
+
+        def run() -> None:
+            for watch in watches:
+                races.check(watch, drop=False)
+            self._internal(program.run)
+
+        self.scheduler.enqueue(self._current, new_work(run, "graph replay", None))
 
     # -- dispatch ------------------------------------------------------------------------------
 
@@ -441,6 +491,49 @@ class SimBackend:
     def _is_pinned(self, t: torch.Tensor) -> bool:
         return bool(self._pinned) and t.untyped_storage().data_ptr() in self._pinned
 
+    def _note(
+        self,
+        stream: SimStream | None,
+        touched: list[tuple[torch.Tensor, bool]],
+        op: str,
+        *,
+        keep: bool = False,
+    ) -> list[Any]:
+        """Tell the race checker what an operation issued now touches; stream None: the host.
+        `keep`: judge and record now, and return the accesses (see RaceChecker.access)."""
+        races = self._races
+        found = []
+        for t, write in touched:
+            located = footprint.of(t)
+            if located is not None:
+                found.append((located[0], located[1], write))
+        return races.access(HOST if stream is None else races.agent(stream), found, op, keep=keep)
+
+    def _note_call(
+        self,
+        stream: SimStream | None,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        result: Any,
+        tensors: list[torch.Tensor],
+    ) -> None:
+        if not ops.is_view(func) and func not in ops.EMPTY_OPS:
+            fresh = ops.fresh_outputs(func, result)
+            touched = ops.touched(func, args, kwargs, fresh, tensors)
+            self._note(stream, touched, ops.op_name(func))
+
+    def _watch_pinned_reads(self, accesses: list[Any], storages: list[Any]) -> list[Any]:
+        """Pinned bytes read by queued device work: watched for host writes torch cannot see."""
+        watches = []
+        for access, storage in zip(accesses, storages, strict=True):
+            if not access.write and access.fp.storage in self._pinned:
+                self._races.check_watched(access.fp.storage)
+                watch = self._races.watch(access, storage)
+                if watch is not None:
+                    watches.append(watch)
+        return watches
+
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._passthrough:
             return func(*args, **kwargs)
@@ -448,7 +541,9 @@ class SimBackend:
         pinned = [self._is_pinned(t) for t in tensors]
         if tensors and all(pinned):
             self.scheduler.maybe_progress()  # the device keeps working while the host does
-            return func(*args, **kwargs)  # host code on host memory
+            result = func(*args, **kwargs)  # host code on host memory
+            self._note_call(None, func, args, kwargs, result, tensors)
+            return result
         stream = self._current
         active = self._active
         if active is not None:
@@ -460,7 +555,9 @@ class SimBackend:
                         "stream is capturing): allocate before the capture, or capture with "
                         "capture_error_mode='relaxed'"
                     )
-                return func(*args, **kwargs)  # not part of the capture: runs at once
+                result = func(*args, **kwargs)  # not part of the capture: runs at once
+                self._note_call(stream, func, args, kwargs, result, tensors)
+                return result
             self._check_seed(active)
             active.ops_on[stream] += 1
             if stream is not active.origin:
@@ -470,24 +567,39 @@ class SimBackend:
         if func is ops.aten.copy_.default and any(pinned):
             non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
             dst, src = args[0], args[1]
+            src_pinned = self._is_pinned(src)
             if non_blocking:
-                work = new_work(
-                    lambda: self._internal(lambda: dst.copy_(src)), "async copy", _storages([dst])
-                )
-                self.scheduler.enqueue(stream, work)
+                touched = [(src, False), (dst, True)]
+                accesses = self._note(stream, touched, "aten.copy_", keep=src_pinned)
+                reads = [access for access in accesses if not access.write]
+                watches = self._watch_pinned_reads(reads, [src.untyped_storage()] * len(reads))
+                races = self._races
+
+                def copy() -> None:
+                    for watch in watches:
+                        races.check(watch, drop=False)
+                    self._internal(lambda: dst.copy_(src))
+
+                self.scheduler.enqueue(stream, new_work(copy, "async copy", _storages([dst])))
                 return dst
+            self._note(stream, [(src, False), (dst, True)], "aten.copy_")
             if self.scheduler.writes_pending(stream, _storage(src)):
                 # A blocking read of device memory waits for the work that writes it.
                 self.scheduler.drain(stream)
             # Otherwise a host memcpy: it does not wait for the device (queued copies still
-            # reading a pinned source then see the new contents, as on a GPU).
+            # reading a pinned source then see the new contents, as on a GPU). Either way the
+            # copy returns once it is done, as CUDA's blocking copy synchronizes its stream.
+            self._races.host_waits_for(self._races.agent(stream))
             return func(*args, **kwargs)
         if ops.capture_violation(func, args, kwargs) is not None:
-            self.scheduler.drain(stream)
+            self._note(stream, ops.touched(func, args, kwargs, ()), ops.op_name(func))
+            self._host_waits_for(stream)  # a host read: it waits for the stream
             return func(*args, **kwargs)
         if stream is self._default:
             self.scheduler.drain(stream)
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+            self._note_call(stream, func, args, kwargs, result, tensors)
+            return result
         return self._defer(stream, func, args, kwargs)
 
     def _defer(
@@ -511,6 +623,7 @@ class SimBackend:
                 out.copy_(results[p])
 
         written = [*fresh.values(), *ops.written_args(func, args, kwargs)]
+        self._note(stream, ops.touched(func, args, kwargs, list(fresh.values())), ops.op_name(func))
         work = new_work(lambda: self._internal(run), ops.op_name(func), _storages(written))
         self.scheduler.enqueue(stream, work)
         return ops.assemble_returns(func, args, kwargs, fresh)
@@ -539,8 +652,9 @@ def _patch_tolist(backend: SimBackend) -> Callable[..., Any]:
                 # Pinned memory is host memory: reading it waits for nothing, as on a GPU,
                 # while the device may have run some queued work meanwhile.
                 backend.scheduler.maybe_progress()
+                backend._note(None, [(self, False)], "Tensor.tolist()")
             else:
-                backend.host_read("Tensor.tolist()")
+                backend.host_read("Tensor.tolist()", self)
         return original(self)
 
     torch.Tensor.tolist = tolist  # type: ignore[method-assign,assignment]

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
-from pytest_graphmode.runtime.backends.sim import ops
+from pytest_graphmode.runtime.backends.sim import footprint, ops
+from pytest_graphmode.runtime.backends.sim.footprint import Footprint
 from pytest_graphmode.runtime.backends.sim.pool import poison_
 
 
@@ -67,13 +68,28 @@ def _describe(t: torch.Tensor) -> str:
     return f"tensor {list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
 
-class Program:
-    """A finished capture: replays its instructions in recorded order on the same memory."""
+ReplayAccess = tuple[weakref.ref[torch.UntypedStorage], Footprint, bool]
+"""A storage a replay touches (weakly held, as a graph holds addresses), the bytes, and whether it
+writes them."""
 
-    def __init__(self, env: list[Any], externals: list[_External], instrs: list[_Instr]) -> None:
+
+class Program:
+    """A finished capture: replays its instructions in recorded order on the same memory.
+
+    `accesses` are the bytes every replay reads and writes, of external tensors and of its pool
+    (merged once here: the race checker judges them at each launch)."""
+
+    def __init__(
+        self,
+        env: list[Any],
+        externals: list[_External],
+        instrs: list[_Instr],
+        accesses: list[ReplayAccess],
+    ) -> None:
         self._env = env
         self._externals = externals
         self._instrs = instrs
+        self.accesses = accesses
         self._first_reader: dict[int, str] = {}
         for ins in instrs:
             for ref in _refs(ins.args, ins.kwargs):
@@ -142,6 +158,7 @@ class Capture:
         self._externals: list[_External] = []
         self._instrs: list[_Instr] = []
         self._ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._touched: dict[tuple[Footprint, bool], weakref.ref[torch.UntypedStorage]] = {}
         self.invalid: str | None = None
 
     def fail(self, message: str) -> CaptureError:
@@ -175,6 +192,7 @@ class Capture:
         self._instrs.append(
             _Instr(func, targs, tkwargs, None, list(zip(positions, slots, strict=True)))
         )
+        self._touch(ops.touched(func, args, kwargs, fresh))
         return ops.assemble_returns(func, args, kwargs, dict(zip(positions, fresh, strict=True)))
 
     def finish(self) -> Program:
@@ -197,7 +215,15 @@ class Capture:
         for slot in range(len(env)):
             if slot not in constant:
                 env[slot] = None
-        return Program(env, self._externals, kept)
+        refs = {fp.storage: ref for (fp, _), ref in self._touched.items()}
+        accesses = [(refs[fp.storage], fp, write) for fp, write in footprint.merge(self._touched)]
+        return Program(env, self._externals, kept, accesses)
+
+    def _touch(self, touched: list[tuple[torch.Tensor, bool]]) -> None:
+        for t, write in touched:
+            found = footprint.of(t)
+            if found is not None:
+                self._touched.setdefault((found[1], write), weakref.ref(found[0]))
 
     # -- values ---------------------------------------------------------------------------------
 

@@ -109,18 +109,8 @@ def is_view(func: Any) -> bool:
     return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
 
 
-def written_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors this call writes in place (self of add_, out= of add.out), in schema order."""
-    written: list[torch.Tensor] = []
-    for i, name in _written_parameters(func):
-        value = args[i] if i < len(args) else kwargs.get(name)
-        written.extend(t for t in _flat(value) if isinstance(t, torch.Tensor))
-    return written
-
-
 @functools.cache
-def _written_parameters(func: Any) -> tuple[tuple[int, str], ...]:
-    """(position, name) of each parameter the operation writes in place."""
+def _written_positions(func: Any) -> tuple[tuple[int, str], ...]:
     return tuple(
         (i, arg.name)
         for i, arg in enumerate(func._schema.arguments)
@@ -128,9 +118,49 @@ def _written_parameters(func: Any) -> tuple[tuple[int, str], ...]:
     )
 
 
+def written_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors this call writes in place (self of add_, out= of add.out), in schema order."""
+    written: list[torch.Tensor] = []
+    for i, name in _written_positions(func):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        written.extend(t for t in _flat(value) if isinstance(t, torch.Tensor))
+    return written
+
+
+def touched(
+    func: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    fresh: Sequence[torch.Tensor],
+    tensors: Sequence[torch.Tensor] | None = None,
+) -> list[tuple[torch.Tensor, bool]]:
+    """Every tensor the call touches and whether it writes it: its written arguments and fresh
+    outputs are written, its other tensor arguments read. `tensors`: the tensor arguments (lists
+    flattened), when the caller has them already."""
+    if tensors is None:
+        tensors = [t for x in (*args, *kwargs.values()) for t in _flat(x)]
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if _written_positions(func):
+        written = written_args(func, args, kwargs)
+        found = [(t, any(t is w for w in written)) for t in tensors]
+    else:
+        found = [(t, False) for t in tensors]
+    found.extend((t, True) for t in fresh)
+    return found
+
+
 @functools.cache
 def fresh_return_positions(func: Any) -> tuple[int, ...]:
     return tuple(i for i, r in enumerate(func._schema.returns) if r.alias_info is None)
+
+
+def fresh_outputs(func: Any, result: Any) -> list[torch.Tensor]:
+    """The returns of a call that are new tensors (not its arguments, not views of them)."""
+    positions = fresh_return_positions(func)
+    if not positions:
+        return []
+    results = result if isinstance(result, tuple | list) else [result]
+    return [t for p in positions for t in _flat(results[p]) if isinstance(t, torch.Tensor)]
 
 
 _META_CACHE: dict[Any, list[Any]] = {}

@@ -187,6 +187,9 @@ class SimEvent:
         self.marker: _Marker | None = None
         self.recorded_on: SimStream | None = None
         self.capture_position: tuple[object, int] | None = None
+        # The race checker's vector clock of the recording point (None: never recorded, or
+        # recorded inside a capture, where a replay is one piece of work)
+        self.clock: dict[int, int] | None = None
 
     def record(self, stream: SimStream | None = None) -> None:
         self._backend.event_record(self, stream)

@@ -1,0 +1,33 @@
+"""The stream-race oracle: a step left two conflicting accesses that nothing orders.
+
+The sim backend's happens-before checker (docs/backends.md, "The race checker") judges every
+access when it is issued, so a missing event wait, `wait_stream` or synchronization is reported at
+its first occurrence, whatever order the scheduler ran the streams in, and before it corrupts a
+value. A race is a root cause: the registry runs this check first. On cuda the backend has no
+checker and the check has nothing to judge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pytest_graphmode.fuzz.violation import Violation
+from pytest_graphmode.runtime.backends.race import Race
+
+NO_STREAM_RACES = "no_stream_races"
+
+
+def no_stream_races(races: Sequence[Race]) -> list[Violation]:
+    """No two accesses to the same bytes, one of them a write, are left unordered by stream
+    order, events, wait_stream and synchronization. Each race is one violation naming the
+    tensor, its bytes and both accesses (operation, stream, line)."""
+    return [
+        Violation(
+            NO_STREAM_RACES,
+            race.describe(),
+            expected=f"{race.earlier.op} ({race.earlier.line}) ordered before "
+            f"{race.later.op} ({race.later.line})",
+            actual=f"{race.earlier.stream} and {race.later.stream} not synchronized between them",
+        )
+        for race in races
+    ]
