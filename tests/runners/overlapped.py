@@ -80,6 +80,10 @@ class OverlappedRunner(minimal.MinimalRunner):
     def replay(self, batch: Batch) -> StepResult:
         size = next(s for s in minimal.SPEC.capture_sizes if s >= batch.num_reqs)
         n = batch.num_reqs
+        # Work issued before this step on the caller's stream (an eager step's KV writes) is
+        # ordered before the replay's: without it, an eager step followed at once by a replayed
+        # one (a pipelined pair) writes the cache from two unordered streams.
+        self.compute_stream.wait_stream(self.backend.current_stream())
         with self.backend.stream(self.compute_stream):
             self.stage(batch, size)
             logits, tokens = (out[:n] for out in self.outputs[size])
