@@ -24,6 +24,7 @@ from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, TargetFactory, TargetSpec
 from pytest_graphmode.failure import Failure, GraphmodeFailure
 from pytest_graphmode.fuzz.lockstep import Lockstep
+from pytest_graphmode.fuzz.registry import NO_DEVICE_FAULT, is_device_fault
 from pytest_graphmode.settings import hypothesis_settings
 from pytest_graphmode.strategies.plans import StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
@@ -189,9 +190,12 @@ class _ShrinkBudget:
         stats = self._stats
         stats.first_failure_seconds = self._found_at - self._started
         stats.first_failure_example = stats.examples
-        stats.first_failure_check = (
-            error.failure.check if isinstance(error, GraphmodeFailure) else type(error).__name__
-        )
+        if isinstance(error, GraphmodeFailure):
+            stats.first_failure_check = error.failure.check
+        elif is_device_fault(error):  # named as the parent of an isolated campaign names it
+            stats.first_failure_check = NO_DEVICE_FAULT
+        else:
+            stats.first_failure_check = type(error).__name__
         stats.shrinking = True
         self.report()
 

@@ -33,7 +33,7 @@ import hypothesis
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, GraphTarget, TargetFactory
 from pytest_graphmode.failure import Failure, GraphmodeFailure
-from pytest_graphmode.fuzz.registry import NO_DEVICE_FAULT
+from pytest_graphmode.fuzz.registry import NO_DEVICE_FAULT, is_device_fault
 from pytest_graphmode.strategies.plans import Stress
 
 SILENCE_LIMIT_SECONDS = 600.0
@@ -119,6 +119,8 @@ def run_isolated(
     else:
         cause = f"the campaign's child process died ({_exit_reason(child.exitcode)})"
     failure = _fault_failure(cause, heard, factory, backend)
+    if not stats.seconds:  # the child died before it could count its time
+        stats.seconds = time.perf_counter() - started
     if stats.first_failure_check is None:
         stats.first_failure_seconds = time.perf_counter() - started
         stats.first_failure_example = stats.examples
@@ -238,7 +240,7 @@ def _child_main(sender: Connection, factory: TargetFactory, arguments: dict[str,
         watch.probe()
         sender.send(("failure", failed.failure.to_json(), stats.to_json()))
     except BaseException as error:
-        if _is_device_fault(error):
+        if is_device_fault(error):
             watch.fault(error)
         watch.probe()
         sender.send(("error", traceback.format_exc(), stats.to_json()))
@@ -315,23 +317,9 @@ class _WatchedTarget:
         try:
             return self._target.step(batch)
         except BaseException as error:
-            if _is_device_fault(error):
+            if is_device_fault(error):
                 self._watch.fault(error)
             raise
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._target, name)
-
-
-def _is_device_fault(error: BaseException) -> bool:
-    """An error that leaves the device unusable: torch's `AcceleratorError`, or a CUDA error
-    that older torch raises as `RuntimeError`."""
-    import torch
-
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(error, accelerator_error):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and (
-        "CUDA error" in text or "device-side assert" in text or "illegal memory access" in text
-    )

@@ -121,6 +121,19 @@ def _sampling_independent(e: Evidence) -> list[Violation]:
 # the parent of an isolated campaign (isolation.py) judges this check, never a step.
 NO_DEVICE_FAULT = "no_device_fault"
 
+
+def is_device_fault(error: BaseException) -> bool:
+    """An error that leaves the device unusable: torch's `AcceleratorError`, or a CUDA error
+    that older torch raises as `RuntimeError`."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "CUDA error" in text or "device-side assert" in text or "illegal memory access" in text
+    )
+
+
 REGISTRY: tuple[Check, ...] = (
     # A race is a root cause, reported before it corrupts a value: judge it before any value.
     Check(

@@ -50,3 +50,22 @@ def make_aborting_target(mode: str, *, seed: int, backend: str) -> ToyTarget:
 
 def make_accelerator_error_target(mode: str, *, seed: int, backend: str) -> ToyTarget:
     return _RaisingAcceleratorError(mode, seed=seed, backend=backend)
+
+
+class _FaultSurfacingLate(_Faulting):
+    """Its step returns; the fault surfaces at the next use of the device (here: its state),
+    outside `step()`, as an asynchronous device error does."""
+
+    faulted = False
+
+    def fault(self) -> None:
+        self.faulted = True
+
+    def state(self) -> Mapping[str, torch.Tensor]:
+        if self.faulted:
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+        return super().state()
+
+
+def make_late_fault_target(mode: str, *, seed: int, backend: str) -> ToyTarget:
+    return _FaultSurfacingLate(mode, seed=seed, backend=backend)

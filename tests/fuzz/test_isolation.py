@@ -6,9 +6,10 @@ from __future__ import annotations
 from functools import partial
 
 import pytest
+import torch
 
 from pytest_graphmode.contract import Batch
-from pytest_graphmode.fuzz import CampaignStats, GraphmodeFailure
+from pytest_graphmode.fuzz import CampaignStats, GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.isolation import NO_DEVICE_FAULT, can_isolate, run_isolated
 from tests.fuzz import faulting_target, toy
 
@@ -96,3 +97,17 @@ def test_a_factory_that_cannot_reach_a_child_is_refused_with_the_way_out() -> No
     assert not can_isolate(local)
     with pytest.raises(TypeError, match="--graphmode-isolate=off"):
         run_isolated(local)
+
+
+def test_a_fault_surfacing_outside_a_step_is_announced_as_no_device_fault() -> None:
+    seen: list[str | None] = []
+    with pytest.raises(torch.AcceleratorError):
+        run_campaign(
+            faulting_target.make_late_fault_target,
+            max_examples=20,
+            max_steps=4,
+            seed=1,
+            shrink_seconds=0,
+            progress=lambda stats: seen.append(stats.first_failure_check),
+        )
+    assert seen[-1] == NO_DEVICE_FAULT
