@@ -203,10 +203,7 @@ class Lockstep:
         graph_before, eager_before = snapshot(self.graph.state()), snapshot(self.eager.state())
         with stressors.delayed_step(self.backend, stress):
             graph = step_outcome(self.graph, batch)
-        eager = step_outcome(self.eager, batch)
-        clean = step_outcome(self.clean, batch)
-        sub = sampling_check.company_batch(batch) if self.company else None
-        company = step_outcome(self.company, sub) if self.company and sub else None
+        eager, clean, sub, company = self._reference_steps(batch)
         self._count(batch, graph.result)
         now = [(r, _clones(r), step) for r in (graph.result, eager.result) if r is not None]
         raised = bool(graph.error or eager.error)
@@ -244,10 +241,18 @@ class Lockstep:
                 return found
         return []
 
-    def _references(self, batch: Batch) -> _References:
+    def _reference_steps(
+        self, batch: Batch
+    ) -> tuple[Outcome, Outcome, Batch | None, Outcome | None]:
+        """`batch` on the eager and clean twins, and its sampled requests on the company twin
+        (the sub-batch and its outcome, None without one)."""
         eager, clean = step_outcome(self.eager, batch), step_outcome(self.clean, batch)
         sub = sampling_check.company_batch(batch) if self.company else None
         company = step_outcome(self.company, sub) if self.company and sub else None
+        return eager, clean, sub, company
+
+    def _references(self, batch: Batch) -> _References:
+        eager, clean, sub, company = self._reference_steps(batch)
         return _References(
             _frozen(eager),
             _frozen(clean),

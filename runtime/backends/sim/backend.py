@@ -469,11 +469,7 @@ class SimBackend:
         storages = [storage for storage, _, _ in touched] if accesses else []
         watches = self._watch_pinned_reads(accesses, storages)
 
-        def run() -> None:
-            for watch in watches:
-                races.check(watch, drop=False)
-            self._internal(program.run)
-
+        run = self._after_watches(watches, program.run)
         self.scheduler.enqueue(self._current, new_work(run, "graph replay", None))
 
     # -- dispatch ------------------------------------------------------------------------------
@@ -519,6 +515,18 @@ class SimBackend:
             fresh = ops.fresh_outputs(func, result)
             touched = ops.touched(func, args, kwargs, fresh, tensors)
             self._note(stream, touched, ops.op_name(func))
+
+    def _after_watches(self, watches: list[Any], run: Callable[[], Any]) -> Callable[[], None]:
+        """Queued work that first judges its watched pinned reads (host writes torch could not
+        see happened before it ran), then runs `run` as sim-internal work."""
+        races = self._races
+
+        def work() -> None:
+            for watch in watches:
+                races.check(watch, drop=False)
+            self._internal(run)
+
+        return work
 
     def _watch_pinned_reads(self, accesses: list[Any], storages: list[Any]) -> list[Any]:
         """Pinned bytes read by queued device work: watched for host writes torch cannot see."""
@@ -570,13 +578,7 @@ class SimBackend:
                 accesses = self._note(stream, touched, "aten.copy_", keep=src_pinned)
                 reads = [access for access in accesses if not access.write]
                 watches = self._watch_pinned_reads(reads, [src.untyped_storage()] * len(reads))
-                races = self._races
-
-                def copy() -> None:
-                    for watch in watches:
-                        races.check(watch, drop=False)
-                    self._internal(lambda: dst.copy_(src))
-
+                copy = self._after_watches(watches, lambda: dst.copy_(src))
                 self.scheduler.enqueue(stream, new_work(copy, "async copy", _storages([dst])))
                 return dst
             self._note(stream, [(src, False), (dst, True)], "aten.copy_")
@@ -619,8 +621,9 @@ class SimBackend:
             for p, out in fresh.items():
                 out.copy_(results[p])
 
-        written = [*fresh.values(), *ops.written_args(func, args, kwargs)]
-        self._note(stream, ops.touched(func, args, kwargs, list(fresh.values())), ops.op_name(func))
+        touched = ops.touched(func, args, kwargs, list(fresh.values()))
+        self._note(stream, touched, ops.op_name(func))
+        written = [t for t, write in touched if write]
         work = new_work(lambda: self._internal(run), ops.op_name(func), _storages(written))
         self.scheduler.enqueue(stream, work)
         return ops.assemble_returns(func, args, kwargs, fresh)
