@@ -103,11 +103,30 @@ class Engine:
         self, config: EngineConfig, *, seed: int, graphs: bool, device: torch.device
     ) -> None:
         self.version = check_version()
+        self.config = config
+        # transformers seeds the global generator while it builds its batch processor: the
+        # caller's generator is left as it was, and a twin made after another draws the same.
+        devices = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            self._build(config, seed=seed, graphs=graphs, device=device)
+        if device.type == "cuda":  # the warm-up ran on transformers' own compute stream
+            torch.cuda.synchronize(device)
+        # The cache is allocated uninitialised and the warm-up wrote its fake requests into it:
+        # both twins start from zeros, as transformers' read-trash block must stay.
+        with torch.no_grad():
+            for tensor in self.kv_tensors():
+                tensor.zero_()
+
+    def _build(self, config: EngineConfig, *, seed: int, graphs: bool, device: torch.device) -> None:
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        self.config = config
-        self.model = _llama(config, seed).to(device).eval()
+        self.model = llama(config, seed).to(device).eval()
+        # Hooked before the warm-up, so the graphs it captures copy the logits out too.
+        self._logits = torch.zeros(
+            config.max_requests, config.vocab_size, dtype=self.model.dtype, device=device
+        )
+        self._hook = self.model.lm_head.register_forward_hook(self._keep_logits)
         # Greedy, no EOS, synchronous, no prefix sharing (it would tie blocks to token contents the
         # caller does not know), no decode fast path (it needs flash attention on a GPU): the
         # varlen path, whose graphs are keyed by padded query and KV sizes, serves every batch.
@@ -122,12 +141,13 @@ class Engine:
             allow_block_sharing=False,
             q_padding_interval_size=config.q_padding,
             kv_padding_interval_size=config.kv_padding,
+            seed=seed,
         )
         generation = GenerationConfig(do_sample=False, eos_token_id=-1)
         self._manager: Any = self.model.init_continuous_batching(
             generation_config=generation, continuous_batching_config=cb_config
         )
-        # Its warm-up captures the largest graphs first, so later captures fit in their pool.
+        # Its warm-up captures the largest graph first, so later captures fit in its pool.
         self._manager.warmup()
         self._processor: Any = self._manager.batch_processor
         self._cache: Any = self._processor.cache
@@ -135,15 +155,6 @@ class Engine:
         self._runner: Any = self._processor.model_runner
         self._check_layout()
         self.graphs = bool(self._processor.cb_config.use_cuda_graph[0])
-        self._logits = torch.zeros(
-            config.max_requests, config.vocab_size, dtype=self.model.dtype, device=device
-        )
-        self._hook = self.model.lm_head.register_forward_hook(self._keep_logits)
-        # The cache is allocated uninitialised and the warm-up wrote its fake requests into it:
-        # both twins start from zeros, as transformers' read-trash block must stay.
-        with torch.no_grad():
-            for tensor in self.kv_tensors():
-                tensor.zero_()
 
     def _check_layout(self) -> None:
         # Sliding-window groups change how blocks map to slots; a tiny Llama has full attention only.
@@ -227,7 +238,7 @@ class Engine:
 
     def load_weights(self, seed: int) -> None:
         """Replace every weight in place by those of `seed`, so captured graphs read the new ones."""
-        fresh = _llama(self.config, seed).state_dict()
+        fresh = llama(self.config, seed).state_dict()
         with torch.no_grad():
             for name, tensor in self.model.state_dict().items():
                 tensor.copy_(fresh[name])
@@ -239,10 +250,12 @@ class Engine:
         self._processor = self._cache = self._io = self._runner = None
 
 
-def _llama(config: EngineConfig, seed: int) -> Any:
+def llama(config: EngineConfig, seed: int) -> Any:
+    """The random-weight Llama of `seed` on the CPU, as an `Engine` of that seed holds it; the
+    global generator is left as it was."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    llama = LlamaConfig(
+    llama_config = LlamaConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -252,7 +265,6 @@ def _llama(config: EngineConfig, seed: int) -> Any:
         max_position_embeddings=config.max_position,
         attn_implementation="sdpa",
     )
-    # Weights from `seed` alone; the caller's global generator is left as it was.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return LlamaForCausalLM(llama)
+        return LlamaForCausalLM(llama_config)
