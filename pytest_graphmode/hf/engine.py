@@ -36,6 +36,15 @@ class UnsupportedTransformers(RuntimeError):
     """The installed transformers is missing or outside the releases this adapter supports."""
 
 
+def support_problem() -> str | None:
+    """Why no `Engine` can be made here (transformers missing or unsupported); None if one can."""
+    try:
+        check_version()
+    except UnsupportedTransformers as exc:
+        return str(exc)
+    return None
+
+
 def check_version() -> str:
     """The installed transformers version; raises `UnsupportedTransformers` unless it is supported."""
     try:

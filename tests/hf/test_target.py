@@ -7,9 +7,13 @@ import torch
 
 from pytest_graphmode.contract import Batch, Request, kv_slot
 from pytest_graphmode.fuzz import run_campaign
-from pytest_graphmode.hf.engine import EngineConfig, llama
+from pytest_graphmode.hf.engine import EngineConfig, llama, support_problem
 from pytest_graphmode.hf.target import HFTarget, make_target
 from pytest_graphmode.loader import check_twins
+
+pytest.importorskip("transformers")
+if (problem := support_problem()) is not None:
+    pytest.skip(problem, allow_module_level=True)
 
 PROMPT = (5, 9, 17, 3, 44, 12, 90, 7, 61, 2)  # 10 tokens: a block and a bit
 BLOCKS = (5, 2)
