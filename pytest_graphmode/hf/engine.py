@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# Releases whose continuous-batching surface this module was written against: `ModelRunner` and
-# `prepare_batch_tensors(..., use_padding)` arrive in 5.14; 5.18 replaces the per-group block
+# Releases whose continuous-batching surface this module was written against: the IO object's
+# `prepare_batch_tensors(..., use_padding)` arrives in 5.13; 5.18 replaces the per-group block
 # tables and the trailing trash blocks with sector allocators and a flat byte cache.
-OLDEST = (5, 14)
+OLDEST = (5, 13)
 BEYOND = (5, 18)  # the first release it does not support
-SUPPORTED = "transformers>=5.14,<5.18"
+SUPPORTED = "transformers>=5.13,<5.18"
 
 
 class UnsupportedTransformers(RuntimeError):
