@@ -79,7 +79,9 @@ class EngineConfig:
     num_blocks: int = 32  # allocatable blocks; transformers adds its two trash blocks after them
     max_batch_tokens: int = 32
     max_requests: int = 4
-    q_padding: int = 16  # query tokens are padded to a multiple of this (the graph key's first size)
+    q_padding: int = (
+        16  # query tokens are padded to a multiple of this (the graph key's first size)
+    )
     kv_padding: int = 32  # cached tokens read are padded to a multiple of this (its second size)
 
     @property
@@ -126,7 +128,9 @@ class Engine:
             for tensor in self.kv_tensors():
                 tensor.zero_()
 
-    def _build(self, config: EngineConfig, *, seed: int, graphs: bool, device: torch.device) -> None:
+    def _build(
+        self, config: EngineConfig, *, seed: int, graphs: bool, device: torch.device
+    ) -> None:
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -198,7 +202,11 @@ class Engine:
 
     def kv_tensors(self) -> list[Tensor]:
         """Per layer, its key then its value cache: [(num_blocks + 2) * block_size, kv_heads, dim]."""
-        return [t for pair in zip(self._cache.key_cache, self._cache.value_cache) for t in pair]
+        return [
+            t
+            for pair in zip(self._cache.key_cache, self._cache.value_cache, strict=True)
+            for t in pair
+        ]
 
     def run(self, requests: Sequence[EngineRequest]) -> EngineStep:
         """Stage `requests` with transformers' own padding, run its model runner, read the results."""
@@ -214,7 +222,9 @@ class Engine:
             name = f"graphmode-{request.request_id}"
             state = RequestState(request_id=name, initial_tokens=list(request.tokens))
             # The status setter records lifecycle timestamps; the warm-up sets it this way too.
-            state._status = RequestStatus.DECODING if request.context_len else RequestStatus.PREFILLING
+            state._status = (
+                RequestStatus.DECODING if request.context_len else RequestStatus.PREFILLING
+            )
             state.tokens_to_process = list(request.tokens)
             state.position_offset = request.context_len
             group.block_table[name] = list(request.block_ids)
@@ -237,13 +247,17 @@ class Engine:
         graphs_before = len(self._io.graphs._storage)
         self._processor._generation_step(self.model)
         key = self._io._get_graph_key() if self.graphs else None
-        tokens = self._io.output_ids[0, :num_requests].to(torch.int64)
-        return EngineStep(
+        step = EngineStep(
             logits=self._logits[:num_requests].float().clone(),
-            tokens=tokens,
+            tokens=self._io.output_ids[0, :num_requests].to(torch.int64),
             graph_key=key,
             captured=len(self._io.graphs._storage) > graphs_before,
         )
+        # transformers' compute stream does not wait for the caller's: the copies above must have
+        # read the static outputs before the next step's forward rewrites them.
+        if self._logits.is_cuda:
+            torch.cuda.current_stream(self._logits.device).synchronize()
+        return step
 
     def load_weights(self, seed: int) -> None:
         """Replace every weight in place by those of `seed`, so captured graphs read the new ones."""

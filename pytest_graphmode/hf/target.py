@@ -46,7 +46,9 @@ class HFTarget:
             vocab_size=config.vocab_size,
             max_num_reqs=config.max_requests,
             max_num_tokens=config.max_batch_tokens,
-            capture_sizes=tuple(range(config.q_padding, config.max_batch_tokens + 1, config.q_padding)),
+            capture_sizes=tuple(
+                range(config.q_padding, config.max_batch_tokens + 1, config.q_padding)
+            ),
             features=FEATURES,
             null_block=self.engine.write_trash_block,
         )
@@ -56,20 +58,16 @@ class HFTarget:
         out = self.engine.run(
             [EngineRequest(r.req_id, r.tokens, r.context_len, r.block_ids) for r in batch.requests]
         )
-        if out.graph_key is None:
-            path, key, reason = "eager", None, self._eager_reason()
-        elif out.captured:
-            path, key, reason = (
-                "eager",
-                None,
+        if out.graph_key is not None and not out.captured:
+            return StepResult(out.logits, out.tokens, path="full", graph_key=out.graph_key)
+        if out.graph_key is not None:
+            reason: str | None = (
                 f"captured the graph keyed {out.graph_key}: transformers returns the results of "
-                "the eager run it makes before a capture",
+                "the eager run it makes before a capture"
             )
         else:
-            path, key, reason = "full", out.graph_key, None
-        return StepResult(
-            logits=out.logits, next_tokens=out.tokens, path=path, graph_key=key, reason=reason
-        )
+            reason = self._eager_reason()
+        return StepResult(out.logits, out.tokens, path="eager", graph_key=None, reason=reason)
 
     def _eager_reason(self) -> str | None:
         if self.mode == "eager":

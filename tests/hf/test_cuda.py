@@ -12,7 +12,10 @@ if (problem := support_problem()) is not None:
     pytest.skip(problem, allow_module_level=True)
 pytestmark = pytest.mark.graphmode_cuda
 
-PROMPTS = (Request(1, (5, 9, 17, 3, 44, 12, 90, 7, 61, 2), 0, (5, 2)), Request(2, (8, 8, 8), 0, (9,)))
+PROMPTS = (
+    Request(1, (5, 9, 17, 3, 44, 12, 90, 7, 61, 2), 0, (5, 2)),
+    Request(2, (8, 8, 8), 0, (9,)),
+)
 
 
 def test_graph_twin_replays_its_captured_graph_and_matches_the_eager_twin() -> None:
@@ -27,12 +30,14 @@ def test_graph_twin_replays_its_captured_graph_and_matches_the_eager_twin() -> N
         batch = Batch(
             tuple(
                 Request(r.req_id, (int(t),), r.seq_len, r.block_ids)
-                for r, t in zip(batch.requests, replayed.next_tokens)
+                for r, t in zip(batch.requests, replayed.next_tokens, strict=True)
             )
         )
     for name, tensor in graph.state().items():
         null = slice(graph.spec.null_block * graph.spec.block_size, None)
-        torch.testing.assert_close(tensor[: null.start], eager.state()[name][: null.start], msg=name)
+        torch.testing.assert_close(
+            tensor[: null.start], eager.state()[name][: null.start], msg=name
+        )
     graph.close()
     eager.close()
     # The prefill (13 query tokens, padded to 16) captures the graph its decodes (2, padded to 16)

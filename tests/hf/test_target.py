@@ -68,7 +68,7 @@ def test_state_is_the_engines_cache_with_its_trash_blocks_last(target: HFTarget)
     assert spec.null_block == target.engine.write_trash_block == config.num_blocks + 1
     state = target.state()
     assert len(state) == 2 * config.num_layers
-    for tensor, engine_tensor in zip(state.values(), target.engine.kv_tensors()):
+    for tensor, engine_tensor in zip(state.values(), target.engine.kv_tensors(), strict=True):
         assert tensor.shape[0] == spec.num_slots
         assert tensor.data_ptr() == engine_tensor.data_ptr()
         assert not tensor.any()  # the warm-up's writes and the uninitialised memory are gone
@@ -77,7 +77,10 @@ def test_state_is_the_engines_cache_with_its_trash_blocks_last(target: HFTarget)
 def test_a_batch_of_requests_matches_each_request_alone() -> None:
     company = Batch((Request(1, PROMPT, 0, BLOCKS), Request(2, (8, 8, 8), 0, (9,))))
     alone = Batch((Request(2, (8, 8, 8), 0, (9,)),))
-    first, second = make_target("eager", seed=4, backend="sim"), make_target("eager", seed=4, backend="sim")
+    first, second = (
+        make_target("eager", seed=4, backend="sim"),
+        make_target("eager", seed=4, backend="sim"),
+    )
     together, single = first.step(company), second.step(alone)
     torch.testing.assert_close(together.logits[1], single.logits[0])
     first.close()
