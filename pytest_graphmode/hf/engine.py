@@ -135,6 +135,9 @@ class Engine:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         self.model = llama(config, seed).to(device).eval()
+        # Paged SDPA named outright: left to choose, transformers switches to flash attention
+        # where a flash package or kernel is installed, and the path under test would vary by host.
+        self.model.set_attn_implementation("paged|sdpa")
         # Hooked before the warm-up, so the graphs it captures copy the logits out too.
         self._logits = torch.zeros(
             config.max_requests, config.vocab_size, dtype=self.model.dtype, device=device
