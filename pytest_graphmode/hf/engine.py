@@ -15,6 +15,7 @@ captured graph and hands out only the sampled tokens.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import re
 from collections.abc import Hashable, Sequence
@@ -117,8 +118,7 @@ class Engine:
         self.config = config
         # transformers seeds the global generator while it builds its batch processor: the
         # caller's generator is left as it was, and a twin made after another draws the same.
-        devices = [device.index or 0] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with _own_generators():
             self._build(config, seed=seed, graphs=graphs, device=device)
         if device.type == "cuda":  # the warm-up ran on transformers' own compute stream
             torch.cuda.synchronize(device)
@@ -291,6 +291,12 @@ def llama(config: EngineConfig, seed: int) -> Any:
         max_position_embeddings=config.max_position,
         attn_implementation="sdpa",
     )
-    with torch.random.fork_rng(devices=[]):
+    with _own_generators():
         torch.manual_seed(seed)
         return LlamaForCausalLM(llama_config)
+
+
+def _own_generators() -> contextlib.AbstractContextManager[None]:
+    """Restore every global generator on exit: `torch.manual_seed` seeds each GPU's too."""
+    gpus = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    return torch.random.fork_rng(devices=gpus)

@@ -33,8 +33,16 @@ class HFTarget:
         if mode not in ("graph", "eager"):
             raise ValueError(f"mode={mode!r} must be 'graph' or 'eager'")
         self.mode = mode
+        device = backends.get(backend).device
+        # transformers decides on graphs from torch.cuda alone: on a GPU host it would capture a
+        # model the sim placed on the CPU. There the graphs are left off by the adapter; without
+        # a GPU transformers turns them off itself, and says so.
+        self._graphs_withheld = device.type == "cpu" and backends.cuda_available()
         self.engine = Engine(
-            config, seed=seed, graphs=mode == "graph", device=backends.get(backend).device
+            config,
+            seed=seed,
+            graphs=mode == "graph" and not self._graphs_withheld,
+            device=device,
         )
         # transformers' two trash blocks follow its own: the harness sees them as the last two
         # blocks, the write trash as the null block. The read trash may be handed to a request:
@@ -72,6 +80,11 @@ class HFTarget:
     def _eager_reason(self) -> str | None:
         if self.mode == "eager":
             return None
+        if self._graphs_withheld:
+            return (
+                "the model runs on the CPU (sim) on a host with a GPU: transformers' CUDA graphs "
+                "would capture CPU tensors, so they are off"
+            )
         return (
             "transformers switched its CUDA graphs off: torch.cuda.is_available() is False "
             "where the engine was built"

@@ -10,6 +10,7 @@ from pytest_graphmode.fuzz import run_campaign
 from pytest_graphmode.hf.engine import EngineConfig, llama, support_problem
 from pytest_graphmode.hf.target import HFTarget, make_target
 from pytest_graphmode.loader import check_twins
+from pytest_graphmode.runtime import backends
 
 pytest.importorskip("transformers")
 if (problem := support_problem()) is not None:
@@ -119,3 +120,17 @@ def test_a_short_campaign_passes_on_sim() -> None:
     stats = run_campaign(make_target, backend="sim", max_examples=3, max_steps=6, seed=0)
     assert stats.failures == []
     assert stats.paths["eager"] > 0
+
+
+def test_on_a_gpu_host_the_sim_twin_keeps_transformers_graphs_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # transformers would otherwise turn its graphs on for a model the sim keeps on the CPU. Only
+    # the adapter is told of a GPU: transformers itself would then query the device for memory.
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)
+    graph = make_target("graph", seed=0, backend="sim")
+    result = graph.step(Batch((Request(1, PROMPT, 0, BLOCKS),)))
+    graph.close()
+    assert graph.engine.graphs is False
+    assert (result.path, result.graph_key) == ("eager", None)
+    assert result.reason is not None and "on a host with a GPU" in result.reason
