@@ -88,6 +88,9 @@ def test_a_batch_of_requests_matches_each_request_alone() -> None:
     second.close()
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a GPU host keeps the graphs off itself (the test below)"
+)
 def test_graph_twin_without_cuda_says_why_it_ran_eagerly() -> None:
     graph = make_target("graph", seed=0, backend="sim")
     result = graph.step(Batch((Request(1, PROMPT, 0, BLOCKS),)))
