@@ -154,7 +154,9 @@ def _to(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str,
         non_blocking = bool(rest[1]) if len(rest) > 1 else bool(kwargs.get("non_blocking", False))
         rest = (target, dtype, *rest[1:])
     else:
-        target, dtype, non_blocking, _ = torch._C._nn._parse_to(*rest, **kwargs)
+        # `copy` is no concern of where the result goes (a crossing always copies)
+        parsed = {k: v for k, v in kwargs.items() if k != "copy"}
+        target, dtype, non_blocking, _ = torch._C._nn._parse_to(*rest, **parsed)
     to_device = on_device(self) if target is None else is_sim_device(target)
     if to_device == on_device(self):
         # No crossing: torch sees a CPU tensor going to the CPU.
