@@ -593,7 +593,7 @@ class SimBackend:
         if host:
             if func is ops.aten.copy_.default:
                 return self._cross(args, kwargs)
-            _check_host_operands(func, host)
+            self._check_host_operands(func, args, host)
         return mark_device(self._device_op(func, args, kwargs, tensors, bool(host)))
 
     def _host_op(
@@ -712,8 +712,24 @@ class SimBackend:
         return ops.assemble_returns(func, args, kwargs, fresh)
 
 
+    def _check_host_operands(
+        self, func: Any, args: tuple[Any, ...], host: list[torch.Tensor]
+    ) -> None:
+        """A device operation accepts host tensors only as 0-dim operands (kernel arguments) and,
+        as torch does on CUDA, as the indices of advanced indexing, which it copies to the device
+        first: a capture refuses that copy."""
+        if func in ops.INDEXING and all(any(t is i for i in ops.flat(args[1])) for t in host):
+            active = self._active
+            if active is not None and self._current in active.unjoined:
+                raise active.capture.fail(
+                    f"{ops.op_name(func)} with host indices cannot be captured: they are copied to "
+                    "the device first (a blocking copy). Keep the indices on the device."
+                )
+            return
+        _check_host_operands(func, host)
+
+
 def _check_host_operands(func: Any, host: list[torch.Tensor]) -> None:
-    """A device operation accepts host tensors only as 0-dim operands (kernel arguments)."""
     for t in host:
         if t.dim() != 0:
             raise RuntimeError(
