@@ -43,7 +43,12 @@ def test_a_0_dim_host_operand_of_queued_work_is_read_when_it_is_issued(sim):
 
 def test_moving_between_host_and_device(sim):
     host = torch.arange(3.0)
-    for moved in (host.cuda(), host.to(sim.device), host.to("cuda"), host.to(torch.ones(1, device=sim.device))):
+    for moved in (
+        host.cuda(),
+        host.to(sim.device),
+        host.to("cuda"),
+        host.to(torch.ones(1, device=sim.device)),
+    ):
         assert isinstance(moved, SimDeviceTensor) and torch.equal(moved.cpu(), host)
     x = torch.arange(3.0, device=sim.device)
     for back in (x.cpu(), x.to("cpu"), x.to(host)):

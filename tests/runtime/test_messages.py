@@ -92,7 +92,7 @@ def test_a_decoder_on_bare_cuda_runs_on_the_sim_backend(sim: Any) -> None:
 
 def test_a_decoder_on_the_host_is_refused_by_the_sim_backend(sim: Any) -> None:
     decoder = Decoder(TINY, seed=1, device="cpu:0")
-    with pytest.raises(ValueError, match="device=backend.device"):
+    with pytest.raises(ValueError, match=r"device=backend\.device"):
         GraphExecutor(decoder, sim, capture_sizes=[1, 2])
 
 

@@ -67,7 +67,10 @@ class _SimMode(TorchDispatchMode):
         self.backend = backend
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        return self.backend._dispatch(func, args, kwargs or {})
+        # The sim's own tensor calls below are no calls of the program: the device mode (a
+        # torch function mode, still on its stack here) need not see them.
+        with torch._C.DisableTorchFunction():
+            return self.backend._dispatch(func, args, kwargs or {})
 
 
 @dataclass(eq=False)
@@ -519,7 +522,8 @@ class SimBackend:
     def _internal(self, run: Callable[[], Any]) -> Any:
         self._passthrough += 1
         try:
-            return run()
+            with torch._C.DisableTorchFunction():
+                return run()
         finally:
             self._passthrough -= 1
 
@@ -710,7 +714,6 @@ class SimBackend:
         work = new_work(lambda: self._internal(run), ops.op_name(func), _storages(written))
         self.scheduler.enqueue(stream, work)
         return ops.assemble_returns(func, args, kwargs, fresh)
-
 
     def _check_host_operands(
         self, func: Any, args: tuple[Any, ...], host: list[torch.Tensor]

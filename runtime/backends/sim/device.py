@@ -185,7 +185,9 @@ def _cpu(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str
     return _to_host(backend, self, self.dtype, non_blocking=False)
 
 
-def _pin_memory(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _pin_memory(
+    backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     self = args[0]
     if on_device(self):
         raise RuntimeError(f"cannot pin '{self.device}' memory: only host memory can be pinned")
@@ -197,12 +199,16 @@ def _pin_memory(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: d
     return pinned.copy_(self)
 
 
-def _is_pinned(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _is_pinned(
+    backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     self = args[0]
     return not on_device(self) and backend.is_pinned(self)
 
 
-def _new_tensor(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _new_tensor(
+    backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     # `x.new_tensor(data)` builds on x's device: for a device x, an upload from the host.
     self = args[0]
     if on_device(self) and "device" not in kwargs:
