@@ -112,3 +112,11 @@ def test_host_work_in_a_capture_runs_at_once_and_is_not_recorded(sim):
     g.replay()
     sim.synchronize()
     assert counter.item() == 1.0 and torch.equal(y.cpu(), torch.full((4,), 2.0))
+
+
+def test_new_tensor_of_a_device_tensor_is_uploaded(sim):
+    x = torch.zeros(2, dtype=torch.int64, device=sim.device)
+    made = x.new_tensor([3, 4])
+    assert isinstance(made, SimDeviceTensor) and made.dtype == torch.int64
+    assert torch.equal(made.cpu(), torch.tensor([3, 4]))
+    assert type(torch.zeros(1).new_tensor([1.0])) is torch.Tensor

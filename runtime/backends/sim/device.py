@@ -36,18 +36,18 @@ class SimDeviceTensor(torch.Tensor):
     """A tensor on the simulated GPU: CPU storage that reports `SIM_DEVICE`."""
 
     # Operations on it are plain CPU operations: no Python code of the class runs per operation.
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
-    @property  # type: ignore[override]
-    def device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
         return SIM_DEVICE
 
-    @property  # type: ignore[override]
-    def is_cuda(self) -> bool:
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
         return True
 
-    @property  # type: ignore[override]
-    def is_cpu(self) -> bool:
+    @property
+    def is_cpu(self) -> bool:  # type: ignore[override]
         return False
 
     def get_device(self) -> int:
@@ -211,8 +211,9 @@ def _new_tensor(
 ) -> Any:
     # `x.new_tensor(data)` builds on x's device: for a device x, an upload from the host.
     self = args[0]
-    if on_device(self) and "device" not in kwargs:
-        kwargs = dict(kwargs, device=SIM_DEVICE)
+    kwargs = dict(kwargs)
+    if on_device(self):
+        kwargs.setdefault("device", SIM_DEVICE)
     kwargs.setdefault("dtype", self.dtype)
     return _factory(backend, torch.tensor, args[1:], kwargs)
 
