@@ -351,5 +351,7 @@ def _normalised(device: torch.device | str) -> torch.device:
     if device.type == "cpu":
         return torch.device("cpu")
     if device.index is None and device.type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
+        # Without a GPU, "cuda" is the sim device, which is device 0.
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        return torch.device("cuda", index)
     return device

@@ -33,11 +33,16 @@ from pytest_graphmode.strategies.schedules import schedules
 
 def target_spec(factory: TargetFactory, backend: str) -> TargetSpec:
     """The spec of the factory's targets (one eager target is made and closed to read it)."""
-    probe = factory("eager", seed=0, backend=backend)
-    try:
-        return probe.spec
-    finally:
-        probe.close()
+    from pytest_graphmode.runtime import backends
+
+    # Made as a campaign makes its twins: with the backend active (on sim, device tensors exist
+    # only while it is).
+    with backends.get(backend).active():
+        probe = factory("eager", seed=0, backend=backend)
+        try:
+            return probe.spec
+        finally:
+            probe.close()
 
 
 def campaign_spec(

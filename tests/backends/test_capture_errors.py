@@ -53,7 +53,7 @@ def test_backend_keeps_working_after_a_failed_capture(be, illegal):
 
 
 def test_sim_capture_error_names_the_op(sim):
-    x = torch.ones(4)
+    x = torch.ones(4, device=sim.device)
     with pytest.raises(sim.CaptureError, match="nonzero"), sim.graph(sim.Graph()):
         torch.nonzero(x)
 

@@ -32,17 +32,17 @@ def test_capture_does_not_compute_in_place_updates(be):
 
 
 def test_sim_outputs_are_poisoned_until_first_replay(sim):
-    x = torch.ones(3, dtype=torch.float32)
-    ids = torch.arange(3)
+    x = torch.ones(3, dtype=torch.float32, device=sim.device)
+    ids = torch.arange(3, device=sim.device)
     g = sim.Graph()
     with sim.graph(g):
         y = x + 1
         k = ids * 2
     assert torch.isnan(y).all()
-    assert (k != torch.arange(3) * 2).all()
+    assert (k != torch.arange(3, device=sim.device) * 2).all()
     g.replay()
-    assert torch.equal(y, torch.full((3,), 2.0))
-    assert torch.equal(k, torch.arange(3) * 2)
+    assert torch.equal(y, torch.full((3,), 2.0, device=sim.device))
+    assert torch.equal(k, torch.arange(3, device=sim.device) * 2)
 
 
 def test_replay_reads_current_contents_copy_changes_rebinding_does_not(be):
@@ -107,7 +107,7 @@ def test_temporaries_are_reused_inside_one_capture(be):
 
 
 def test_sim_shared_pool_reuses_freed_blocks_across_captures(sim):
-    x = torch.ones(4096)
+    x = torch.ones(4096, device=sim.device)
     pool = sim.graph_pool_handle()
     g1, g2 = sim.Graph(), sim.Graph()
     with sim.graph(g1, pool=pool):

@@ -31,7 +31,7 @@ def _side_stream_writes(sim, x: torch.Tensor, *, join: bool):
 @pytest.mark.parametrize("seed", range(5))
 def test_a_missing_wait_stream_is_reported_whatever_the_scheduler_seed(sim, seed):
     sim.set_scheduler_seed(seed)
-    x = torch.zeros(8)
+    x = torch.zeros(8, device=sim.device)
     sim.take_races()
     _side_stream_writes(sim, x, join=False)
     race = _only_race(sim)
@@ -44,7 +44,7 @@ def test_a_missing_wait_stream_is_reported_whatever_the_scheduler_seed(sim, seed
 
 
 def test_wait_stream_orders_the_accesses(sim):
-    x = torch.zeros(8)
+    x = torch.zeros(8, device=sim.device)
     sim.take_races()
     _side_stream_writes(sim, x, join=True)
     assert sim.take_races() == []
@@ -52,7 +52,7 @@ def test_wait_stream_orders_the_accesses(sim):
 
 @pytest.mark.parametrize("recorded_after_the_write", [True, False])
 def test_an_event_orders_what_was_issued_before_its_record(sim, recorded_after_the_write):
-    x, side, done = torch.zeros(8), sim.Stream(), sim.Event()
+    x, side, done = torch.zeros(8, device=sim.device), sim.Stream(), sim.Event()
     side.wait_stream(sim.current_stream())
     sim.take_races()
     with sim.stream(side):
@@ -68,7 +68,7 @@ def test_an_event_orders_what_was_issued_before_its_record(sim, recorded_after_t
 
 @pytest.mark.parametrize("sync", [None, "stream", "event", "device"])
 def test_the_host_reads_a_pinned_download_only_after_a_synchronization(sim, sync):
-    x, side, done = torch.arange(4.0), sim.Stream(), sim.Event()
+    x, side, done = torch.arange(4.0, device=sim.device), sim.Stream(), sim.Event()
     host = sim.empty_pinned(4)
     side.wait_stream(sim.current_stream())
     sim.take_races()
@@ -101,7 +101,7 @@ def test_the_host_reads_a_pinned_download_only_after_a_synchronization(sim, sync
     ],
 )
 def test_views_of_one_buffer_race_only_where_they_share_bytes(sim, side_view, default_view, races):
-    buf, side = torch.zeros(4, 8), sim.Stream()
+    buf, side = torch.zeros(4, 8, device=sim.device), sim.Stream()
     side.wait_stream(sim.current_stream())
     sim.take_races()
     with sim.stream(side):
@@ -112,7 +112,7 @@ def test_views_of_one_buffer_race_only_where_they_share_bytes(sim, side_view, de
 
 @pytest.mark.parametrize("join", [True, False])
 def test_a_replay_counts_as_the_accesses_its_capture_recorded(sim, join):
-    x = torch.ones(8)
+    x = torch.ones(8, device=sim.device)
     g = sim.Graph()
     with sim.graph(g):
         y = x * 3
@@ -126,7 +126,7 @@ def test_a_replay_counts_as_the_accesses_its_capture_recorded(sim, join):
     g.replay()
     sim.synchronize()
     races = sim.take_races()
-    assert torch.equal(y, torch.full((8,), 6.0)) or not join
+    assert torch.equal(y, torch.full((8,), 6.0, device=sim.device)) or not join
     if join:
         assert races == []
         return
@@ -137,7 +137,7 @@ def test_a_replay_counts_as_the_accesses_its_capture_recorded(sim, join):
 
 @pytest.mark.parametrize("waits", [True, False])
 def test_a_pinned_source_rewritten_by_a_torch_op_before_its_copy_ran(sim, waits):
-    staging, dst, copied = sim.empty_pinned(4), torch.zeros(4), sim.Event()
+    staging, dst, copied = sim.empty_pinned(4), torch.zeros(4, device=sim.device), sim.Event()
     staging.fill_(1.0)
     sim.take_races()
     dst.copy_(staging, non_blocking=True)
@@ -157,7 +157,7 @@ def test_a_pinned_source_rewritten_by_a_torch_op_before_its_copy_ran(sim, waits)
 @pytest.mark.parametrize("waits", [True, False])
 def test_a_pinned_source_rewritten_through_numpy_before_its_copy_ran(sim, waits):
     pytest.importorskip("numpy")
-    staging, dst, copied = sim.empty_pinned(4), torch.zeros(4), sim.Event()
+    staging, dst, copied = sim.empty_pinned(4), torch.zeros(4, device=sim.device), sim.Event()
     view = staging.numpy()
     view[:] = 1.0
     sim.take_races()
@@ -178,7 +178,7 @@ def test_a_pinned_source_rewritten_through_numpy_before_its_copy_ran(sim, waits)
 
 def test_a_copy_of_unchanged_pinned_bytes_is_no_race(sim):
     pytest.importorskip("numpy")
-    staging, dst = sim.empty_pinned(4), torch.zeros(4)
+    staging, dst = sim.empty_pinned(4), torch.zeros(4, device=sim.device)
     view = staging.numpy()
     view[:] = 1.0
     sim.take_races()
@@ -189,7 +189,7 @@ def test_a_copy_of_unchanged_pinned_bytes_is_no_race(sim):
 
 
 def test_races_are_handed_over_once(sim):
-    _side_stream_writes(sim, torch.zeros(8), join=False)
+    _side_stream_writes(sim, torch.zeros(8, device=sim.device), join=False)
     assert len(sim.take_races()) == 1
     assert sim.take_races() == []
 

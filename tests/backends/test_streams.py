@@ -44,7 +44,7 @@ def _stage_and_consume(sim, seed: int, wait_for_copy: bool) -> float:
     """Stage 1.0 through a pinned buffer with an async copy, then reuse the buffer for 2.0."""
     sim.set_scheduler_seed(seed)
     pinned = sim.empty_pinned(4, dtype=torch.float32)
-    device_buf = torch.zeros(4)
+    device_buf = torch.zeros(4, device=sim.device)
     pinned.fill_(1.0)
     device_buf.copy_(pinned, non_blocking=True)
     copied = sim.Event()
@@ -74,7 +74,7 @@ def test_sim_event_wait_before_reuse_is_right_for_every_seed(sim):
 
 def _replay_after_side_copy(sim, seed: int, wait: bool) -> torch.Tensor:
     sim.set_scheduler_seed(seed)
-    static_in = torch.zeros(4)
+    static_in = torch.zeros(4, device=sim.device)
     g = sim.Graph()
     with sim.graph(g):
         out = static_in * 10
@@ -92,52 +92,52 @@ def _replay_after_side_copy(sim, seed: int, wait: bool) -> torch.Tensor:
 
 
 def test_sim_replay_not_waiting_for_copy_stream_races(sim):
-    expected = torch.arange(4.0) * 10
+    expected = torch.arange(4.0, device=sim.device) * 10
     right = [torch.equal(_replay_after_side_copy(sim, s, wait=False), expected) for s in range(50)]
     assert not all(right)
 
 
 def test_sim_replay_waiting_for_copy_stream_is_always_right(sim):
-    expected = torch.arange(4.0) * 10
+    expected = torch.arange(4.0, device=sim.device) * 10
     assert all(torch.equal(_replay_after_side_copy(sim, s, wait=True), expected) for s in range(50))
 
 
 def test_sim_work_on_a_stream_outside_the_capture_is_missing_from_replay(sim):
-    x = torch.ones(4)
-    side_result = torch.zeros(4)
+    x = torch.ones(4, device=sim.device)
+    side_result = torch.zeros(4, device=sim.device)
     outsider = sim.Stream()
     g = sim.Graph()
     with sim.graph(g):
         y = x * 2
         with sim.stream(outsider):  # never forked into the capture: runs now, is not recorded
             side_result.copy_(x).mul_(7)
-    assert torch.equal(side_result, torch.full((4,), 7.0))
+    assert torch.equal(side_result, torch.full((4,), 7.0, device=sim.device))
     side_result.zero_()
     x.fill_(2.0)
     g.replay()
-    assert torch.equal(y, torch.full((4,), 4.0))
-    assert torch.equal(side_result, torch.zeros(4))
+    assert torch.equal(y, torch.full((4,), 4.0, device=sim.device))
+    assert torch.equal(side_result, torch.zeros(4, device=sim.device))
 
 
 def test_sim_rebound_and_freed_weight_makes_replay_raise_use_after_free(sim):
     class Layer:
         def __init__(self):
-            self.weight = torch.ones(4, 4)
+            self.weight = torch.ones(4, 4, device=sim.device)
 
     layer = Layer()
-    x = torch.ones(1, 4)
+    x = torch.ones(1, 4, device=sim.device)
     g = sim.Graph()
     with sim.graph(g):
         y = x @ layer.weight
     g.replay()
-    assert torch.equal(y, torch.full((1, 4), 4.0))
-    layer.weight = torch.zeros(4, 4)  # rebinding frees the captured weight
+    assert torch.equal(y, torch.full((1, 4), 4.0, device=sim.device))
+    layer.weight = torch.zeros(4, 4, device=sim.device)  # rebinding frees the captured weight
     with pytest.raises(sim.UseAfterFreeError, match=r"\[4, 4\] float32.*aten\.(t|mm)"):
         g.replay()
 
 
 def test_sim_resized_workspace_makes_replay_raise_use_after_free(sim):
-    workspace = torch.zeros(16)
+    workspace = torch.zeros(16, device=sim.device)
     g = sim.Graph()
     with sim.graph(g):
         workspace.add_(1)
@@ -149,8 +149,8 @@ def test_sim_resized_workspace_makes_replay_raise_use_after_free(sim):
 def test_sim_scheduler_keeps_no_queue_for_finished_captures(sim):
     """A queue per stream ever used would make every later operation slower: only streams with
     queued work may have one."""
-    x = torch.ones(4)
-    counter = torch.zeros(4)
+    x = torch.ones(4, device=sim.device)
+    counter = torch.zeros(4, device=sim.device)
     for _ in range(300):
         capture_stream = sim.Stream()
         g = sim.Graph()
@@ -162,9 +162,9 @@ def test_sim_scheduler_keeps_no_queue_for_finished_captures(sim):
             counter.add_(1)  # queued on a stream that is dropped afterwards
         g.replay()
         sim.current_stream().wait_stream(side)
-        assert torch.equal(y, torch.full((4,), 2.0))
+        assert torch.equal(y, torch.full((4,), 2.0, device=sim.device))
         assert sim.scheduler.queue_count <= 2
-    assert torch.equal(counter, torch.full((4,), 300.0))
+    assert torch.equal(counter, torch.full((4,), 300.0, device=sim.device))
     sim.synchronize()
     assert sim.scheduler.queue_count == 0
 
@@ -173,7 +173,7 @@ def _replay_reading_pinned(sim, seed: int, overwrite_after_replay: bool) -> torc
     sim.set_scheduler_seed(seed)
     staging = sim.empty_pinned(4)
     staging.fill_(1.0)
-    static_in = torch.zeros(4)
+    static_in = torch.zeros(4, device=sim.device)
     g = sim.Graph()
     with sim.graph(g):
         static_in.copy_(staging, non_blocking=True)
@@ -198,7 +198,7 @@ def test_sim_device_to_host_copy_of_a_replay_is_stale_before_a_sync(sim):
     results = set()
     for seed in range(50):
         sim.set_scheduler_seed(seed)
-        static_in = torch.zeros(4)
+        static_in = torch.zeros(4, device=sim.device)
         readback = sim.empty_pinned(4)
         readback.zero_()
         g = sim.Graph()

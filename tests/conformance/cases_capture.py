@@ -142,49 +142,49 @@ def capture_on_a_stream_passed_to_graph(be: Any) -> str:
 # -- host <-> device crossings ------------------------------------------------------------------
 
 
-@case(_REFUSED, pending="sim device: .cpu() during a capture must be refused")
+@case(_REFUSED)
 def cpu_copies_to_the_host(be: Any) -> str:
     return _attempt(be, lambda x: x.cpu())
 
 
-@case(_REFUSED, pending="sim device: a blocking copy into pageable host memory must be refused")
+@case(_REFUSED)
 def blocking_copy_device_to_pageable(be: Any) -> str:
     host = torch.zeros(4)
     return _attempt(be, lambda x: host.copy_(x))
 
 
-@case(_REFUSED, pending="sim device: a blocking copy from pageable host memory must be refused")
+@case(_REFUSED)
 def blocking_copy_pageable_to_device(be: Any) -> str:
     host = torch.ones(4)
     return _attempt(be, lambda x: x.copy_(host))
 
 
-@case(_REFUSED, pending="sim device: a blocking copy into pinned host memory must be refused")
+@case(_REFUSED)
 def blocking_copy_device_to_pinned(be: Any) -> str:
     pinned = be.empty_pinned(4)
     return _attempt(be, lambda x: pinned.copy_(x))
 
 
-@case(_REFUSED, pending="sim device: a blocking copy from pinned host memory must be refused")
+@case(_REFUSED)
 def blocking_copy_pinned_to_device(be: Any) -> str:
     pinned = be.empty_pinned(4)
     pinned.fill_(1.0)
     return _attempt(be, lambda x: x.copy_(pinned))
 
 
-@case(_REFUSED, pending="sim device: a non_blocking copy from pageable memory must be refused")
+@case(_REFUSED)
 def non_blocking_copy_pageable_to_device(be: Any) -> str:
     host = torch.ones(4)
     return _attempt(be, lambda x: x.copy_(host, non_blocking=True))
 
 
-@case(_REFUSED, pending="sim device: a non_blocking copy into pageable memory must be refused")
+@case(_REFUSED)
 def non_blocking_copy_device_to_pageable(be: Any) -> str:
     host = torch.zeros(4)
     return _attempt(be, lambda x: host.copy_(x, non_blocking=True))
 
 
-@case(_REFUSED, pending="sim device: torch.tensor(data, device=...) uploads from the host")
+@case(_REFUSED)
 def tensor_constant_uploaded_during_capture(be: Any) -> str:
     return _attempt(be, lambda x: x + torch.tensor([1.0, 2.0, 3.0, 4.0], device=be.device))
 

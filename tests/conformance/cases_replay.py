@@ -110,10 +110,7 @@ def python_int_shape_is_frozen(be: Any) -> str:
     return value(be, y)
 
 
-@case(
-    "value=[2.0, 2.0, 2.0, 2.0]",
-    pending="sim device: a 0-dim host tensor operand must be baked at capture, not read at replay",
-)
+@case("value=[2.0, 2.0, 2.0, 2.0]")
 def host_scalar_tensor_is_baked_at_capture(be: Any) -> str:
     x = torch.ones(4, device=be.device)
     scale = torch.tensor(2.0)  # 0-dim host tensor: a kernel argument on CUDA

@@ -79,10 +79,13 @@ def test_results_do_not_change_with_the_next_replay(
 
 def test_a_sampled_request_draws_the_same_token_alone_and_in_company() -> None:
     seeded = Request(7, (9,), 0, (5,), seed=123, temperature=1.5)
-    alone = make_target("eager", seed=3, backend="sim").step(Batch((seeded,)))
-    crowd = make_target("eager", seed=3, backend="sim").step(Batch((PROMPTS.requests[0], seeded)))
-    torch.testing.assert_close(alone.logits[0], crowd.logits[1])
-    assert alone.next_tokens[0] == crowd.next_tokens[1]
+    with get_backend("sim").active():
+        alone = make_target("eager", seed=3, backend="sim").step(Batch((seeded,)))
+        crowd = make_target("eager", seed=3, backend="sim").step(
+            Batch((PROMPTS.requests[0], seeded))
+        )
+        torch.testing.assert_close(alone.logits[0], crowd.logits[1])
+        assert alone.next_tokens[0] == crowd.next_tokens[1]
 
 
 def test_minimal_runner_passes_the_harness() -> None:

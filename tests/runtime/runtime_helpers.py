@@ -45,7 +45,9 @@ def make_batch(
 def assert_match(graph: StepResult, eager: StepResult) -> None:
     """Graph twin == eager twin: logits up to rounding (padded and unpadded shapes may run
     different GEMM kernels), next tokens exactly."""
-    tolerance = 1e-5 if graph.logits.device.type == "cpu" else 1e-4
+    # CPU kernels (the sim device's storage is host memory) are tighter than GPU ones
+    on_cpu = graph.logits.untyped_storage().device.type == "cpu"
+    tolerance = 1e-5 if on_cpu else 1e-4
     torch.testing.assert_close(graph.logits, eager.logits, atol=tolerance, rtol=tolerance)
     assert torch.equal(graph.next_tokens.cpu(), eager.next_tokens.cpu())
 

@@ -1,5 +1,5 @@
 """What a user sees for input the runtime cannot run: one clear ValueError, raised before anything
-is written, and inputs a user would expect to work (numpy numbers, `cpu:0`) working."""
+is written, and inputs a user would expect to work (numpy numbers, a bare `cuda`) working."""
 
 from __future__ import annotations
 
@@ -83,10 +83,17 @@ def test_malformed_input_gets_a_value_error_naming_it_and_changes_nothing(
     assert target.executor.graphs == graphs
 
 
-def test_a_decoder_on_cpu_0_runs_on_the_sim_backend(sim: Any) -> None:
-    decoder = Decoder(TINY, seed=1, device="cpu:0")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a bare cuda names the GPU, not the sim")
+def test_a_decoder_on_bare_cuda_runs_on_the_sim_backend(sim: Any) -> None:
+    decoder = Decoder(TINY, seed=1, device="cuda")
     executor = GraphExecutor(decoder, sim, capture_sizes=[1, 2])
     assert executor.step(make_batch([1])).path == "full"
+
+
+def test_a_decoder_on_the_host_is_refused_by_the_sim_backend(sim: Any) -> None:
+    decoder = Decoder(TINY, seed=1, device="cpu:0")
+    with pytest.raises(ValueError, match=r"device=backend\.device"):
+        GraphExecutor(decoder, sim, capture_sizes=[1, 2])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

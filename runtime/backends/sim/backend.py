@@ -22,12 +22,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
 from pytest_graphmode.runtime.backends.race import Race
 from pytest_graphmode.runtime.backends.sim import footprint, ops
 from pytest_graphmode.runtime.backends.sim.capture import Capture, Program
+from pytest_graphmode.runtime.backends.sim.device import (
+    SIM_DEVICE,
+    DeviceMode,
+    SimDeviceTensor,
+    mark_device,
+)
 from pytest_graphmode.runtime.backends.sim.happens_before import HOST, RaceChecker
 from pytest_graphmode.runtime.backends.sim.pool import SimCapturePool, SimPoolHandle, poison_
 from pytest_graphmode.runtime.backends.sim.streams import (
@@ -60,7 +67,10 @@ class _SimMode(TorchDispatchMode):
         self.backend = backend
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        return self.backend._dispatch(func, args, kwargs or {})
+        # The sim's own tensor calls below are no calls of the program: the device mode (a
+        # torch function mode, still on its stack here) need not see them.
+        with torch._C.DisableTorchFunction():
+            return self.backend._dispatch(func, args, kwargs or {})
 
 
 @dataclass(eq=False)
@@ -120,7 +130,7 @@ class SimBackend:
     sees every operation of the process."""
 
     name = "sim"
-    device = torch.device("cpu")
+    device = SIM_DEVICE
     CaptureError = CaptureError
     UseAfterFreeError = UseAfterFreeError
     Graph = SimGraph
@@ -139,6 +149,10 @@ class SimBackend:
         self._pinned: set[int] = set()
         self._activations = 0
         self._mode: _SimMode | None = None
+        self._device_mode: DeviceMode | None = None
+        # Where the factory call being dispatched puts its result (True: the device), set by the
+        # device mode for calls that name a device; None: decided by the operation's arguments.
+        self._placing: bool | None = None
         self._original_tolist: Callable[..., Any] | None = None
         self._races = RaceChecker()
 
@@ -151,6 +165,9 @@ class SimBackend:
     def activate(self) -> None:
         """Route torch through the sim until the matching `deactivate()`; calls nest."""
         if self._activations == 0:
+            device_mode = DeviceMode(self)
+            device_mode.__enter__()
+            self._device_mode = device_mode
             mode = _SimMode(self)
             mode.__enter__()
             self._mode = mode
@@ -162,12 +179,19 @@ class SimBackend:
         if self._activations == 0:
             raise RuntimeError("deactivate() without a matching activate()")
         if self._activations == 1:
-            assert self._mode is not None and self._original_tolist is not None
+            assert self._mode is not None and self._device_mode is not None
+            assert self._original_tolist is not None
             stack = _get_current_dispatch_mode_stack()
+            functions = _get_current_function_mode_stack()
             if not stack or stack[-1] is not self._mode:
                 raise RuntimeError(
                     "deactivate() while another dispatch mode entered after activate() is still "
                     "active: exit that mode first"
+                )
+            if not functions or functions[-1] is not self._device_mode:
+                raise RuntimeError(
+                    "deactivate() while another torch function mode entered after activate() is "
+                    "still active: exit that mode first"
                 )
             # Queued work that raises (a replay reading freed memory, say) is reported, but torch
             # is given back all the same and nothing is left queued for a later activation.
@@ -182,6 +206,8 @@ class SimBackend:
             torch.Tensor.tolist = self._original_tolist  # type: ignore[method-assign]
             self._mode.__exit__(None, None, None)
             self._mode = None
+            self._device_mode.__exit__(None, None, None)
+            self._device_mode = None
             self._original_tolist = None
             self._activations -= 1
             if error is not None:
@@ -257,17 +283,36 @@ class SimBackend:
     def empty_pinned(
         self, size: int | tuple[int, ...], dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
-        """Host memory that the scheduler treats as pinned: async copies read it when they run."""
+        """Pinned host memory: the only host memory a capture may copy to or from, and the only
+        memory an async copy reads or writes when it runs rather than when it is issued."""
         self._passthrough += 1
         try:
             t = torch.empty(size, dtype=dtype)
         finally:
             self._passthrough -= 1
+        self.register_pinned(t)
+        return t
+
+    def register_pinned(self, t: torch.Tensor) -> None:
+        """Treat the storage of host tensor `t` as pinned for as long as it lives."""
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         self._pinned.add(ptr)
         weakref.finalize(storage, self._pinned.discard, ptr)
-        return t
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """Whether `t` lies in pinned host memory."""
+        return bool(self._pinned) and t.untyped_storage().data_ptr() in self._pinned
+
+    @contextmanager
+    def placing(self, device: bool) -> Iterator[None]:
+        """Operations dispatched in the block make their results on the device (True) or the
+        host (False), whatever their arguments: a factory call that named its device."""
+        previous, self._placing = self._placing, device
+        try:
+            yield
+        finally:
+            self._placing = previous
 
     # -- streams and events --------------------------------------------------------------------
 
@@ -477,12 +522,10 @@ class SimBackend:
     def _internal(self, run: Callable[[], Any]) -> Any:
         self._passthrough += 1
         try:
-            return run()
+            with torch._C.DisableTorchFunction():
+                return run()
         finally:
             self._passthrough -= 1
-
-    def _is_pinned(self, t: torch.Tensor) -> bool:
-        return bool(self._pinned) and t.untyped_storage().data_ptr() in self._pinned
 
     def _note(
         self,
@@ -543,12 +586,75 @@ class SimBackend:
         if self._passthrough:
             return func(*args, **kwargs)
         tensors = _tensors(args, kwargs)
-        pinned = [self._is_pinned(t) for t in tensors]
-        if tensors and all(pinned):
-            self.scheduler.maybe_progress()  # the device keeps working while the host does
-            result = func(*args, **kwargs)  # host code on host memory
+        placing = self._placing
+        if placing is None:
+            host = [t for t in tensors if type(t) is not SimDeviceTensor]
+            device = len(host) < len(tensors)
+        else:
+            host, device = [], placing
+        if not device:
+            return self._host_op(func, args, kwargs, tensors)
+        if host:
+            if func is ops.aten.copy_.default:
+                return self._cross(args, kwargs)
+            self._check_host_operands(func, args, host)
+        return mark_device(self._device_op(func, args, kwargs, tensors, bool(host)))
+
+    def _host_op(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]
+    ) -> Any:
+        """Host code on host memory: it runs at once, whatever the device is doing."""
+        self.scheduler.maybe_progress()  # the device keeps working while the host does
+        result = func(*args, **kwargs)
+        # Only pinned memory is touched by queued device work: pageable memory crosses to and
+        # from the device synchronously, so a host access to it has nothing to race with.
+        if self._pinned and any(self.is_pinned(t) for t in tensors):
             self._note_call(None, func, args, kwargs, result, tensors)
-            return result
+        return result
+
+    def _cross(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A copy between host and device memory, with CUDA's rules: only a non_blocking copy
+        with pinned memory is asynchronous, and only it can be captured."""
+        dst, src = args[0], args[1]
+        non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        upload = type(dst) is SimDeviceTensor
+        pinned = self.is_pinned(src if upload else dst)
+        stream = self._current
+        active = self._active
+        if active is not None and stream in active.unjoined:
+            if not (non_blocking and pinned):
+                raise active.capture.fail(_crossing_refused(upload, non_blocking))
+            self._check_seed(active)
+            active.ops_on[stream] += 1
+            if stream is not active.origin:
+                active.unjoined[stream] = True
+            return active.capture.record(ops.aten.copy_.default, args, kwargs)
+        self.scheduler.maybe_progress()
+        if non_blocking and pinned:
+            touched = [(src, False), (dst, True)]
+            accesses = self._note(stream, touched, "aten.copy_", keep=upload)
+            reads = [access for access in accesses if not access.write]
+            watches = self._watch_pinned_reads(reads, [src.untyped_storage()] * len(reads))
+            copy = self._after_watches(watches, lambda: dst.copy_(src))
+            self.scheduler.enqueue(stream, new_work(copy, "async copy", _storages([dst])))
+            return dst
+        # A blocking copy, or one with pageable memory: in stream order on the current stream,
+        # and the host waits for it (a pageable source is staged before the call returns).
+        self._note(stream, [(src, False), (dst, True)], "aten.copy_")
+        self._host_waits_for(stream)
+        return ops.aten.copy_.default(*args, **kwargs)
+
+    def _device_op(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        tensors: list[torch.Tensor],
+        host_scalars: bool,
+    ) -> Any:
+        """Device work: recorded in a capture, run at once on the default stream, else queued.
+        `host_scalars`: a 0-dim host tensor is among the arguments (a kernel argument, read when
+        the operation is issued)."""
         stream = self._current
         active = self._active
         if active is not None:
@@ -569,27 +675,6 @@ class SimBackend:
                 active.unjoined[stream] = True
             return active.capture.record(func, args, kwargs)
         self.scheduler.maybe_progress()
-        if func is ops.aten.copy_.default and any(pinned):
-            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
-            dst, src = args[0], args[1]
-            src_pinned = self._is_pinned(src)
-            if non_blocking:
-                touched = [(src, False), (dst, True)]
-                accesses = self._note(stream, touched, "aten.copy_", keep=src_pinned)
-                reads = [access for access in accesses if not access.write]
-                watches = self._watch_pinned_reads(reads, [src.untyped_storage()] * len(reads))
-                copy = self._after_watches(watches, lambda: dst.copy_(src))
-                self.scheduler.enqueue(stream, new_work(copy, "async copy", _storages([dst])))
-                return dst
-            self._note(stream, [(src, False), (dst, True)], "aten.copy_")
-            if self.scheduler.writes_pending(stream, _storage(src)):
-                # A blocking read of device memory waits for the work that writes it.
-                self.scheduler.drain(stream)
-            # Otherwise a host memcpy: it does not wait for the device (queued copies still
-            # reading a pinned source then see the new contents, as on a GPU). Either way the
-            # copy returns once it is done, as CUDA's blocking copy synchronizes its stream.
-            self._races.host_waits_for(self._races.agent(stream))
-            return func(*args, **kwargs)
         if ops.capture_violation(func, args, kwargs) is not None:
             self._note(stream, ops.touched(func, args, kwargs, ()), ops.op_name(func))
             self._host_waits_for(stream)  # a host read: it waits for the stream
@@ -599,6 +684,8 @@ class SimBackend:
             result = func(*args, **kwargs)
             self._note_call(stream, func, args, kwargs, result, tensors)
             return result
+        if host_scalars:
+            args, kwargs = _baked(args), {k: _baked(v) for k, v in kwargs.items()}
         return self._defer(stream, func, args, kwargs)
 
     def _defer(
@@ -628,6 +715,51 @@ class SimBackend:
         self.scheduler.enqueue(stream, work)
         return ops.assemble_returns(func, args, kwargs, fresh)
 
+    def _check_host_operands(
+        self, func: Any, args: tuple[Any, ...], host: list[torch.Tensor]
+    ) -> None:
+        """A device operation accepts host tensors only as 0-dim operands (kernel arguments) and,
+        as torch does on CUDA, as the indices of advanced indexing, which it copies to the device
+        first: a capture refuses that copy."""
+        if func in ops.INDEXING and all(any(t is i for i in ops.flat(args[1])) for t in host):
+            active = self._active
+            if active is not None and self._current in active.unjoined:
+                raise active.capture.fail(
+                    f"{ops.op_name(func)} with host indices cannot be captured: they are copied to "
+                    "the device first (a blocking copy). Keep the indices on the device."
+                )
+            return
+        _check_host_operands(func, host)
+
+
+def _check_host_operands(func: Any, host: list[torch.Tensor]) -> None:
+    for t in host:
+        if t.dim() != 0:
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at least two devices, "
+                f"{SIM_DEVICE} and cpu! ({ops.op_name(func)} got a host tensor of shape "
+                f"{list(t.shape)}: copy it to the device first)"
+            )
+
+
+def _baked(x: Any) -> Any:
+    """A 0-dim host tensor argument as it is now: queued work reads the value it was issued with."""
+    if isinstance(x, torch.Tensor):
+        return x if type(x) is SimDeviceTensor else x.clone()
+    if isinstance(x, list | tuple):
+        return type(x)(_baked(i) for i in x)
+    return x
+
+
+def _crossing_refused(upload: bool, non_blocking: bool) -> str:
+    what = "from host memory to the device" if upload else "from the device to host memory"
+    why = "a blocking copy synchronizes" if not non_blocking else "its host memory is pageable"
+    return (
+        f"a copy {what} cannot be captured: {why}. Only a non_blocking copy to or from pinned "
+        "memory (backend.empty_pinned, pin_memory=True) is recorded into a graph; copy before or "
+        "after the capture, or stage through pinned memory."
+    )
+
 
 def _storage(t: torch.Tensor) -> int:
     return int(t.untyped_storage().data_ptr())
@@ -648,13 +780,13 @@ def _patch_tolist(backend: SimBackend) -> Callable[..., Any]:
 
     def tolist(self: torch.Tensor) -> Any:
         if not backend._passthrough:
-            if backend._is_pinned(self):
+            if type(self) is SimDeviceTensor:
+                backend.host_read("Tensor.tolist()", self)
+            elif backend.is_pinned(self):
                 # Pinned memory is host memory: reading it waits for nothing, as on a GPU,
                 # while the device may have run some queued work meanwhile.
                 backend.scheduler.maybe_progress()
                 backend._note(None, [(self, False)], "Tensor.tolist()")
-            else:
-                backend.host_read("Tensor.tolist()", self)
         return original(self)
 
     torch.Tensor.tolist = tolist  # type: ignore[method-assign,assignment]

@@ -20,6 +20,7 @@ import torch
 
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
 from pytest_graphmode.runtime.backends.sim import footprint, ops
+from pytest_graphmode.runtime.backends.sim.device import SimDeviceTensor
 from pytest_graphmode.runtime.backends.sim.footprint import Footprint
 from pytest_graphmode.runtime.backends.sim.pool import poison_
 
@@ -176,10 +177,14 @@ class Capture:
             )
         if func in ops.CONSTANT_OPS:
             return self._constant(args[0])
-        targs = [self._template(a) for a in args]
-        tkwargs = {k: self._template(v) for k, v in kwargs.items()}
         if func in ops.EMPTY_OPS:
             return self._allocate(ops.meta_outputs(func, args, kwargs))[0][0]
+        # Host tensors reach a captured operation only as 0-dim operands, which CUDA passes as
+        # kernel arguments (their value now is baked in), and as the pinned side of a
+        # non_blocking copy, which the graph reads or writes at every replay.
+        bake = func is not ops.aten.copy_.default
+        targs = [self._template(a, bake) for a in args]
+        tkwargs = {k: self._template(v, bake) for k, v in kwargs.items()}
         if ops.is_view(func):
             out = func(*args, **kwargs)
             outs = list(out) if isinstance(out, tuple | list) else [out]
@@ -255,11 +260,15 @@ class Capture:
         )
         return self._bind(t, slot)
 
-    def _template(self, x: Any) -> Any:
+    def _template(self, x: Any, bake: bool) -> Any:
         if isinstance(x, torch.Tensor):
+            if bake and type(x) is not SimDeviceTensor:
+                slot = self._new_slot(x.clone())
+                self._owned.add(slot)
+                return Ref(slot)
             return Ref(self._slot_of(x))
         if type(x) is list or type(x) is tuple:
-            return type(x)(self._template(i) for i in x)
+            return type(x)(self._template(i, bake) for i in x)
         return x
 
     def _constant(self, t: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,8 @@ EMPTY_OPS = {
     aten.new_empty.default,
     aten.new_empty_strided.default,
 }
+# Advanced indexing: its indices (argument 1) may be host tensors on a device tensor.
+INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default}
 # Host data turned into a tensor inside the capture: the graph keeps it as a constant.
 CONSTANT_OPS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
 
@@ -68,7 +70,7 @@ def capture_violation(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) ->
     ):
         return "repeat_interleave without output_size (its output shape depends on device values)"
     if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
-        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in _flat(args[1])
+        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in flat(args[1])
     ):
         return "boolean-mask indexing (it computes nonzero and syncs with the host)"
     return None
@@ -88,7 +90,7 @@ def _operation_violation(func: Any) -> str | None:
     return None
 
 
-def _flat(x: Any) -> list[Any]:
+def flat(x: Any) -> list[Any]:
     return list(x) if isinstance(x, list | tuple) else [x]
 
 
@@ -123,7 +125,7 @@ def written_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list
     written: list[torch.Tensor] = []
     for i, name in _written_positions(func):
         value = args[i] if i < len(args) else kwargs.get(name)
-        written.extend(t for t in _flat(value) if isinstance(t, torch.Tensor))
+        written.extend(t for t in flat(value) if isinstance(t, torch.Tensor))
     return written
 
 
@@ -138,7 +140,7 @@ def touched(
     outputs are written, its other tensor arguments read. `tensors`: the tensor arguments (lists
     flattened), when the caller has them already."""
     if tensors is None:
-        tensors = [t for x in (*args, *kwargs.values()) for t in _flat(x)]
+        tensors = [t for x in (*args, *kwargs.values()) for t in flat(x)]
         tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
     if _written_positions(func):
         written = written_args(func, args, kwargs)
@@ -160,7 +162,7 @@ def fresh_outputs(func: Any, result: Any) -> list[torch.Tensor]:
     if not positions:
         return []
     results = result if isinstance(result, tuple | list) else [result]
-    return [t for p in positions for t in _flat(results[p]) if isinstance(t, torch.Tensor)]
+    return [t for p in positions for t in flat(results[p]) if isinstance(t, torch.Tensor)]
 
 
 _META_CACHE: dict[Any, list[Any]] = {}

@@ -1,0 +1,230 @@
+"""The sim device: tensors that say they live on the GPU, over ordinary CPU storage.
+
+A `SimDeviceTensor` is a plain subclass of `torch.Tensor` (no `__torch_function__` of its own, so
+the class costs nothing per operation): C++ sees a CPU tensor and runs every kernel natively, while
+Python sees `device == cuda:0`, `is_cuda`, `get_device() == 0`. The sim's dispatch mode keeps the
+distinction alive: an operation with a device tensor argument is device work, and its new outputs
+are made device tensors; an operation without one is host work.
+
+Python calls that name a device never reach the dispatcher with it: torch's argument parser would
+initialise CUDA (and fail without it) before any dispatch mode is asked. `DeviceMode`, a
+`TorchFunctionMode` entered and left with the sim's activation, sees them first and rewrites them:
+factories with `device=` the sim device, `torch.tensor(data, device=)` (an upload from the host),
+`.to(...)`, `.cuda()`, `.cpu()`, `pin_memory=True`, `.pin_memory()` and `.is_pinned()`. Crossings
+between host and device become a fresh tensor on the other side and a `copy_` into it, so the
+dispatch mode judges every crossing in one place (`SimBackend._cross`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from pytest_graphmode.runtime.backends.sim.backend import SimBackend
+
+SIM_DEVICE = torch.device("cuda", 0)
+"""What sim tensors report as their device (`SimBackend.device`)."""
+
+_CPU = torch.device("cpu")
+
+
+class SimDeviceTensor(torch.Tensor):
+    """A tensor on the simulated GPU: CPU storage that reports `SIM_DEVICE`."""
+
+    # Operations on it are plain CPU operations: no Python code of the class runs per operation.
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return SIM_DEVICE
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def is_cpu(self) -> bool:  # type: ignore[override]
+        return False
+
+    def get_device(self) -> int:
+        return 0
+
+
+def on_device(t: torch.Tensor) -> bool:
+    return isinstance(t, SimDeviceTensor)
+
+
+def mark_device(result: Any) -> Any:
+    """Make the plain tensors in `result` (a tensor, or a tuple or list of them) device tensors,
+    in place: a class assignment, no copy and no new Python object."""
+    if type(result) is torch.Tensor:
+        result.__class__ = SimDeviceTensor
+    elif isinstance(result, tuple | list):
+        for item in result:
+            if type(item) is torch.Tensor:
+                item.__class__ = SimDeviceTensor
+    return result
+
+
+def is_sim_device(device: Any) -> bool:
+    """Whether a `device=` argument names the simulated GPU (any CUDA device, or a bare index)."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":", 1)[0] == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_Handler = Callable[["SimBackend", Any, tuple[Any, ...], dict[str, Any]], Any]
+
+
+class DeviceMode(TorchFunctionMode):
+    """Rewrites the Python calls that name the sim device or pinned memory (module docstring).
+    Every other call passes straight through."""
+
+    def __init__(self, backend: SimBackend) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if kwargs is None:
+            kwargs = {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(self.backend, func, args, kwargs)
+        if kwargs and ("device" in kwargs or "pin_memory" in kwargs):
+            return _factory(self.backend, func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _factory(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A call with `device=` or `pin_memory=`: made on the CPU, then placed where it was asked."""
+    device = kwargs.get("device")
+    if device is not None and is_sim_device(device):
+        if func in _UPLOADS and not (args and on_device(args[0])):
+            return _upload(backend, func, args, kwargs)
+        with backend.placing(True):
+            return mark_device(func(*args, **dict(kwargs, device=_CPU)))
+    if kwargs.get("pin_memory"):
+        with backend.placing(False):
+            made = func(*args, **dict(kwargs, pin_memory=False))
+        backend.register_pinned(made)
+        return made
+    if device is None:
+        return func(*args, **kwargs)
+    with backend.placing(False):
+        return func(*args, **kwargs)
+
+
+def _upload(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`torch.tensor(data, device=gpu)` and friends: the data is made on the host, then copied to
+    the device with a blocking copy, as torch does on CUDA (so a capture refuses it)."""
+    host_kwargs = dict(kwargs, device=_CPU)
+    host_kwargs.pop("pin_memory", None)
+    with backend.placing(False):
+        host = func(*args, **host_kwargs)
+    return _to_device(backend, host, host.dtype, non_blocking=False)
+
+
+def _to_device(backend: SimBackend, t: torch.Tensor, dtype: torch.dtype, non_blocking: bool) -> Any:
+    with backend.placing(True):
+        out = mark_device(torch.empty_like(t, dtype=dtype, device=_CPU))
+    return out.copy_(t, non_blocking=non_blocking)
+
+
+def _to_host(backend: SimBackend, t: torch.Tensor, dtype: torch.dtype, non_blocking: bool) -> Any:
+    # As torch does on CUDA: a non_blocking download lands in pinned memory, so it can be async.
+    with backend.placing(False):
+        out = torch.empty_like(t, dtype=dtype, device=_CPU)
+    if non_blocking:
+        backend.register_pinned(out)
+    return out.copy_(t, non_blocking=non_blocking)
+
+
+def _to(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    self, rest = args[0], args[1:]
+    if rest and isinstance(rest[0], torch.Tensor):
+        other = rest[0]
+        target: Any = other.device
+        dtype = other.dtype
+        non_blocking = bool(rest[1]) if len(rest) > 1 else bool(kwargs.get("non_blocking", False))
+        rest = (target, dtype, *rest[1:])
+    else:
+        # `copy` is no concern of where the result goes (a crossing always copies)
+        parsed = {k: v for k, v in kwargs.items() if k != "copy"}
+        target, dtype, non_blocking, _ = torch._C._nn._parse_to(*rest, **parsed)
+    to_device = on_device(self) if target is None else is_sim_device(target)
+    if to_device == on_device(self):
+        # No crossing: torch sees a CPU tensor going to the CPU.
+        rest = tuple(_CPU if is_sim_device(a) else a for a in rest)
+        if "device" in kwargs:
+            kwargs = dict(kwargs, device=_CPU)
+        return func(self, *rest, **kwargs)
+    dtype = dtype if dtype is not None else self.dtype
+    if to_device:
+        return _to_device(backend, self, dtype, non_blocking)
+    return _to_host(backend, self, dtype, non_blocking)
+
+
+def _cuda(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    self = args[0]
+    non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    if on_device(self):
+        return self
+    return _to_device(backend, self, self.dtype, non_blocking)
+
+
+def _cpu(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    self = args[0]
+    if not on_device(self):
+        return func(*args, **kwargs)
+    return _to_host(backend, self, self.dtype, non_blocking=False)
+
+
+def _pin_memory(
+    backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    self = args[0]
+    if on_device(self):
+        raise RuntimeError(f"cannot pin '{self.device}' memory: only host memory can be pinned")
+    if backend.is_pinned(self):
+        return self
+    with backend.placing(False):
+        pinned = torch.empty_like(self)
+    backend.register_pinned(pinned)
+    return pinned.copy_(self)
+
+
+def _is_pinned(
+    backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    self = args[0]
+    return not on_device(self) and backend.is_pinned(self)
+
+
+def _new_tensor(
+    backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    # `x.new_tensor(data)` builds on x's device: for a device x, an upload from the host.
+    self = args[0]
+    kwargs = dict(kwargs)
+    if on_device(self):
+        kwargs.setdefault("device", SIM_DEVICE)
+    kwargs.setdefault("dtype", self.dtype)
+    return _factory(backend, torch.tensor, args[1:], kwargs)
+
+
+_UPLOADS = {torch.tensor, torch.as_tensor, torch.asarray}
+
+_HANDLERS: dict[Any, _Handler] = {
+    torch.Tensor.to: _to,
+    torch.Tensor.cuda: _cuda,
+    torch.Tensor.cpu: _cpu,
+    torch.Tensor.pin_memory: _pin_memory,
+    torch.Tensor.is_pinned: _is_pinned,
+    torch.Tensor.new_tensor: _new_tensor,
+}
