@@ -179,10 +179,10 @@ def _after_a_leading_example(chosen: hypothesis.settings) -> hypothesis.settings
 
 
 LEADING = (
-    "it was the campaign's first example, the simplest schedule with a pipelined pair, which is "
-    "not shrunk: its replay ends at the failing step"
+    "shrinking skipped: this is the campaign's first example, the simplest schedule with a "
+    "pipelined pair, and its replay ends at the failing step"
 )
-HISTORY = "it needed the examples before it on the same twins, so it is not shrunk"
+HISTORY = "shrinking skipped: the failure needs the examples before it on the same twins"
 
 
 class _ShrinkBudgetSpent(BaseException):

@@ -127,9 +127,7 @@ def test_a_failure_that_needs_the_twins_history_replays_from_its_snippet() -> No
     failure = caught.value.failure
     assert failure.check == "replay_matches_eager", failure.message
     assert "this failure needed the twins' history" in failure.message
-    assert "it needed the examples before it on the same twins, so it is not shrunk" in (
-        failure.message
-    )
+    assert "shrinking skipped: the failure needs the examples before it" in failure.message
     assert "Reset(seed=" in failure.replay_snippet
     with pytest.raises(GraphmodeFailure) as replayed:
         exec(failure.replay_snippet, {})
