@@ -4,13 +4,16 @@ Making the twins and capturing their graphs is most of an example's cost, so a c
 twins: each example after the first on them starts with a `Reset` (every twin's `state()` restored
 from the copy taken when the twins were made, the generators reseeded), and the graphs captured
 so far stay captured. Fresh twins still come, so that bugs of capture itself stay reachable: every
-`FRESH_EVERY`-th example, and after an example whose stressors replaced the weights (restoring
-`state()` cannot undo that). What a runner must do to be kept is in docs/contract.md ("Kept
-twins").
+`FRESH_EVERY`-th example. A weight update needs none: every twin gets the same new weights, and
+the next examples start from them (restoring `state()` does not undo them). What a runner must
+do to be kept is in docs/contract.md ("Kept twins").
 
-A failure found on kept twins is run again alone, on fresh twins. When it fails there too, that is
-the failure reported: its snippet replays the example alone. When it does not, the failure needed
-the twins' history: it is reported at once, its snippet replays every example since the twins were
+A failure found on kept twins is run again alone, on fresh twins, after the weight update it
+started from if there was one. When it fails there too without such an update, that is the
+failure reported and shrunk: its snippet replays the example alone. When it fails only after the
+update, it is reported at once, unshrunk (Hypothesis knows nothing of the update), with a snippet
+that replays the update and the example. When it does not fail alone, the failure needed the
+twins' history: it is reported at once, its snippet replays every example since the twins were
 made (each after a `Reset`), and it is not shrunk, since Hypothesis shrinks one example and this
 one passes alone. Either way the rest of the campaign (shrinking) runs on fresh twins, where an
 example's outcome depends on that example alone.
@@ -55,7 +58,7 @@ class KeptTwins:
             self._alone(events, seed, self._stats)
             return
         kept = self._kept
-        if kept is None or kept.dirty or kept.examples >= FRESH_EVERY:
+        if kept is None or kept.examples >= FRESH_EVERY:
             self.close()
             kept = self._kept = Lockstep(
                 self._factory, backend=self._backend, seed=seed, stats=self._stats, kept=True
@@ -63,12 +66,13 @@ class KeptTwins:
             run: list[Batch | Stress | Reset] = list(events)
         else:
             run = [Reset(seed), *events]
+        weights = kept.weight_seed  # the weights this example starts from
         try:
             kept.run(run)
         except GraphmodeFailure as found:
             self._stop_keeping()
             if kept.examples > 1:
-                self._confirm(found, events, seed, kept.examples)
+                self._confirm(found, events, seed, kept.examples, weights)
             raise
         except BaseException:
             # A device fault poisons the twins' context, Ctrl-C ends the campaign: neither
@@ -94,13 +98,28 @@ class KeptTwins:
             lockstep.close()
 
     def _confirm(
-        self, found: GraphmodeFailure, events: Sequence[Batch | Stress], seed: int, examples: int
+        self,
+        found: GraphmodeFailure,
+        events: Sequence[Batch | Stress],
+        seed: int,
+        examples: int,
+        weights: int | None,
     ) -> None:
-        """Run the failing example again alone on fresh twins; raise what that tells."""
+        """Run the failing example again alone on fresh twins, after the weight update it started
+        from (if any); raise what that tells."""
+        updated = [] if weights is None else [Stress(weight_seed=weights)]
         try:
-            self._alone(events, seed, CampaignStats(examples=1))
+            self._alone([*updated, *events], seed, CampaignStats(examples=1))
         except GraphmodeFailure as alone:
-            raise GraphmodeFailure(alone.failure, self._stats) from found
+            if not updated:
+                raise GraphmodeFailure(alone.failure, self._stats) from found
+            note = (
+                f"\nthis example started from the weights of update_weights({weights}), called by "
+                "an earlier example on the same twins: the snippet above replays that update, "
+                "then the example"
+            )
+            failure = dataclasses.replace(alone.failure, message=alone.failure.message + note)
+            raise HistoryFailure(GraphmodeFailure(failure, self._stats)) from found
         note = (
             f"\nthis failure needed the twins' history: the failing example passes alone on fresh "
             f"twins. It was example {examples} run on the same twins; the snippet above replays "

@@ -139,8 +139,9 @@ class Lockstep:
         self._graph_result: StepResult | None = None
         self.twin_seed = seed  # the seed the twins were made with; `seed` is the example's
         self.examples = 1  # examples run on these twins: 1 + the `Reset` events run
-        # True once a stressor changed what restoring `state()` cannot undo (the weights).
-        self.dirty = False
+        # The seed of the last `update_weights` call on the twins (None: their weights are still
+        # the factory's). Restoring `state()` does not undo it: the next example starts from them.
+        self.weight_seed: int | None = None
         self._history: list[Event] = []  # the events of the examples run before this one
         self._saved: list[dict[str, torch.Tensor]] = []
         try:
@@ -183,11 +184,6 @@ class Lockstep:
         """Start the next example on these twins, with `seed` (see `Reset`)."""
         if not self._saved:
             raise ValueError("these twins keep no copy of their state: make them with kept=True")
-        if self.dirty:
-            raise ValueError(
-                "a weight update replaced the twins' weights, which restoring state() cannot "
-                "undo: the next example needs fresh twins"
-            )
         for twin, saved in zip(self._targets, self._saved, strict=True):
             state = twin.state()
             if state.keys() != saved.keys():
@@ -253,7 +249,7 @@ class Lockstep:
         self, stress: Stress, previous: Batch | None, batch: Batch, rng: random.Random
     ) -> list[torch.Tensor]:
         if stress.weight_seed is not None:
-            self.dirty = True
+            self.weight_seed = stress.weight_seed
             for twin in self._targets:
                 twin.update_weights(stress.weight_seed)
         blocks, slots = stressors.live_indices(self.spec, [b for b in (previous, batch) if b])

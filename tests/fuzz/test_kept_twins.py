@@ -1,4 +1,4 @@
-"""Twins kept across examples: made once per `FRESH_EVERY` examples, restored by a `Reset`, fresh
+"""Twins kept across examples: made once per `FRESH_EVERY` examples, restored by a `Reset`, kept
 after a weight update, and a failure that needs their history replays from its snippet."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, StepResult, TargetFactory
 from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
-from pytest_graphmode.fuzz.kept_twins import FRESH_EVERY, KeptTwins
+from pytest_graphmode.fuzz.kept_twins import FRESH_EVERY, HistoryFailure, KeptTwins
 from pytest_graphmode.fuzz.lockstep import Lockstep
 from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
@@ -91,28 +91,48 @@ def test_a_reset_restores_every_twins_state_and_keeps_the_twins() -> None:
         lockstep.close()
 
 
-def test_a_weight_update_makes_the_next_example_start_on_fresh_twins() -> None:
+def test_a_weight_update_keeps_the_twins_and_the_next_example_starts_from_its_weights() -> None:
     made: Counter[str] = Counter()
     twins = KeptTwins(counting(made), backend="sim", stats=CampaignStats())
     try:
-        twins.run(_batches(1, 2), seed=1)
+        twins.run([Stress(weight_seed=5), *_batches(2)], seed=1)
         twins.run(_batches(1), seed=2)
-        assert made["graph"] == 2  # kept for the second example
-        twins.run([Stress(weight_seed=5), *_batches(2)], seed=3)
-        twins.run(_batches(1), seed=4)
-        assert made["graph"] == 4  # the weights changed: fresh twins after that example
+        assert made["graph"] == 2 and twins._kept is not None
+        assert twins._kept.weight_seed == 5 and twins._kept.examples == 2
     finally:
         twins.close()
 
 
-def test_reset_refuses_twins_whose_weights_were_replaced() -> None:
-    lockstep = Lockstep(toy.make_target, backend="sim", seed=1, stats=CampaignStats(), kept=True)
+class ShiftsAdaptersOnUpdate(toy.ToyTarget):
+    """Graph mode's `update_weights` also moves the second adapter's shift, which eager's does
+    not: wrong only for requests of that adapter after a weight update."""
+
+    def update_weights(self, seed: int) -> None:
+        super().update_weights(seed)
+        if self.mode == "graph":
+            self.adapter_shift[1] += 1.0
+
+
+def shifts_adapters_on_update(mode: str, *, seed: int, backend: str) -> ShiftsAdaptersOnUpdate:
+    return ShiftsAdaptersOnUpdate(mode, seed=seed, backend=backend)
+
+
+def test_a_failure_after_an_earlier_examples_weight_update_replays_that_update() -> None:
+    adapter_one = StepPlan(kind="decode", rows=1, arrivals=(Arrival(3, adapter=1),))
+    twins = KeptTwins(shifts_adapters_on_update, backend="sim", stats=CampaignStats())
     try:
-        lockstep.run([Stress(weight_seed=5), *_batches(1)])
-        with pytest.raises(ValueError, match="weight update replaced the twins' weights"):
-            lockstep.reset(2)
+        twins.run([Stress(weight_seed=5), *_batches(1)], seed=1)  # adapter 0 only: passes
+        with pytest.raises(HistoryFailure) as caught:
+            twins.run(compile_schedule(toy.SPEC, [adapter_one], seed=0), seed=2)
     finally:
-        lockstep.close()
+        twins.close()
+    failure = caught.value.failed.failure
+    assert "started from the weights of update_weights(5)" in failure.message
+    assert "Reset(" not in failure.replay_snippet
+    snippet = failure.replay_snippet
+    assert snippet.index("Stress(") < snippet.index("Batch(")
+    with pytest.raises(GraphmodeFailure):
+        exec(snippet, {})
 
 
 def test_a_failure_that_needs_the_twins_history_replays_from_its_snippet() -> None:
