@@ -69,16 +69,22 @@ class KeptTwins:
         weights = kept.weight_seed  # the weights this example starts from
         try:
             kept.run(run)
-        except GraphmodeFailure as found:
-            self._stop_keeping()
-            if kept.examples > 1:
-                self._confirm(found, events, seed, kept.examples, weights)
-            raise
+        except GraphmodeFailure as error:
+            found = error
         except BaseException:
             # A device fault poisons the twins' context, Ctrl-C ends the campaign: neither
             # leaves twins worth keeping.
             self._stop_keeping()
             raise
+        else:
+            return
+        # Outside the handler: Hypothesis tells failures apart by where they were raised and by
+        # the exceptions they were raised while handling, and the shrinker's replays of this
+        # example, on fresh twins, raise it plainly.
+        self._stop_keeping()
+        if kept.examples > 1:
+            self._confirm(found, events, seed, kept.examples, weights)
+        raise found
 
     def close(self) -> None:
         """Close the kept twins (a campaign calls this at its end, also on failure or Ctrl-C)."""
@@ -108,11 +114,11 @@ class KeptTwins:
         """Run the failing example again alone on fresh twins, after the weight update it started
         from (if any); raise what that tells."""
         updated = [] if weights is None else [Stress(weight_seed=weights)]
-        try:
-            self._alone([*updated, *events], seed, CampaignStats(examples=1))
-        except GraphmodeFailure as alone:
-            if not updated:
-                raise GraphmodeFailure(alone.failure, self._stats) from found
+        alone = self._failure_alone([*updated, *events], seed)
+        if alone is not None and not updated:
+            alone.stats = self._stats
+            raise alone  # outside any handler: raised as a fresh run of the example raises it
+        if alone is not None:
             note = (
                 f"\nthis example started from the weights of update_weights({weights}), called by "
                 "an earlier example on the same twins: the snippet above replays that update, "
@@ -127,3 +133,13 @@ class KeptTwins:
         )
         failure = dataclasses.replace(found.failure, message=found.failure.message + note)
         raise HistoryFailure(GraphmodeFailure(failure, self._stats)) from found
+
+    def _failure_alone(
+        self, events: Sequence[Batch | Stress], seed: int
+    ) -> GraphmodeFailure | None:
+        """What `events` raise alone on fresh twins (None: they pass)."""
+        try:
+            self._alone(events, seed, CampaignStats(examples=1))
+        except GraphmodeFailure as alone:
+            return alone
+        return None
