@@ -25,7 +25,9 @@ if TYPE_CHECKING:
     import hypothesis
 
 BACKENDS = ("auto", "sim", "cuda")
-# (examples, steps per example) of each profile; --graphmode-examples/-steps override them.
+# (examples, steps per example) of each profile; --graphmode-examples/-steps override them. dev, the
+# default, is sized by time: the built-in suite's three sim campaigns of a correct runner take
+# about a minute on a 2-core machine (docs/ci.md).
 PROFILES = {"dev": (10, 8), "ci": (50, 12), "nightly": (500, 24)}
 DEFAULT_SHRINK_SECONDS = 20.0
 ISOLATE = ("auto", "on", "off")
@@ -51,7 +53,8 @@ OPTIONS: dict[str, tuple[str, str]] = {
             f"{name} = {examples} examples of up to {steps} steps"
             for name, (examples, steps) in PROFILES.items()
         )
-        + " (default dev; --graphmode-examples/--graphmode-steps override)",
+        + " (default dev, about a minute for the built-in suite on sim on a 2-core machine; "
+        "--graphmode-examples/--graphmode-steps override)",
     ),
     "ranks": ("N", "data-parallel ranks, one process each (default 1; gloo on sim, NCCL on cuda)"),
     "shrink_seconds": (

@@ -5,6 +5,7 @@
   turn plans into legal `Batch`es.
 - `schedules`: `schedules(spec, max_steps)`, `step_plans(spec)`, `batch_lists(spec, max_steps)`
   and their parts, derived from a `TargetSpec`.
+- `swarm`: `swarms(spec)`, the features and stressors one schedule leaves on (swarm testing).
 - `stressors`: what happens to a target between steps (poison, churn, delays).
 - `stream_delays`: `delayed_streams(cycles)`, the cuda delays on every stream a step uses.
 """

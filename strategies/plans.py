@@ -69,6 +69,17 @@ class Stress:
 
 
 @dataclass(frozen=True)
+class Reset:
+    """Starts the next example on twins already made (docs/contract.md, "Kept twins"): every
+    twin's `state()` is restored from the copy taken when the twins were made, torch's global
+    generator and the sim's stream scheduler are reseeded with `seed`, and the graphs captured so
+    far stay captured. Found in the replay snippet of a failure that needed the examples before
+    it on the same twins."""
+
+    seed: int
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """One step in abstract form; `BlockScheduler.compile` makes it concrete.
 

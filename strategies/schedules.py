@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from pytest_graphmode.contract import Batch, TargetSpec
 from pytest_graphmode.strategies.plans import STEP_KINDS, Arrival, StepKind, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
+from pytest_graphmode.strategies.swarm import EVERYTHING, Swarm, swarms
 
 ADAPTERS = (0, 1)
 TEMPERATURES = (0.5, 1.0, 2.0)
@@ -72,18 +73,22 @@ def arrival_lists(spec: TargetSpec) -> st.SearchStrategy[list[Arrival]]:
     return st.one_of(st.just([]), st.lists(arrivals(spec), max_size=4), crowd)
 
 
-def stresses(spec: TargetSpec, pipelined: bool = True) -> st.SearchStrategy[Stress]:
+def stresses(
+    spec: TargetSpec, pipelined: bool = True, swarm: Swarm = EVERYTHING
+) -> st.SearchStrategy[Stress]:
     """None (what shrinking tends to), stressors in lockstep, or (unless `pipelined` is False) a
     pipelined step: about one step in three is submitted before the harness reads the one before
-    it."""
+    it. Only the stressors `swarm` leaves on are drawn."""
     weight_seeds = st.none()
     if "weight_update" in spec.features:
         weight_seeds = st.one_of(st.none(), st.integers(1, 2**16))
-    delays = st.sampled_from((0, DELAY_CYCLES))
-    scheduler_seeds = st.one_of(st.none(), st.integers(0, 2**16))
+    delays, scheduler_seeds = st.just(0), st.none()
+    if "delays" in swarm.stressors:
+        delays = st.sampled_from((0, DELAY_CYCLES))
+        scheduler_seeds = st.one_of(st.none(), st.integers(0, 2**16))
     active = st.builds(
         Stress,
-        churn=st.integers(0, 3),
+        churn=st.integers(0, 3) if "churn" in swarm.stressors else st.just(0),
         weight_seed=weight_seeds,
         delay_cycles=delays,
         scheduler_seed=scheduler_seeds,
@@ -91,7 +96,7 @@ def stresses(spec: TargetSpec, pipelined: bool = True) -> st.SearchStrategy[Stre
     pairs = st.builds(
         Stress, pipelined=st.just(True), delay_cycles=delays, scheduler_seed=scheduler_seeds
     )
-    if not pipelined:
+    if not pipelined or "pipelined" not in swarm.stressors:
         return st.one_of(st.just(Stress()), active)
     return st.one_of(st.just(Stress()), active, pairs)
 
@@ -105,7 +110,11 @@ def step_kinds(spec: TargetSpec) -> st.SearchStrategy[StepKind]:
 
 
 @st.composite
-def step_plans(draw: st.DrawFn, spec: TargetSpec, pipelined: bool = True) -> StepPlan:
+def step_plans(
+    draw: st.DrawFn, spec: TargetSpec, pipelined: bool = True, swarm: Swarm = EVERYTHING
+) -> StepPlan:
+    """One step; its features and stressors are those of `spec` that `swarm` leaves on."""
+    spec = swarm.spec(spec)
     spec_k = draw(st.integers(1, 4))
     largest = spec.capture_sizes[-1] if spec.capture_sizes else 1
     return StepPlan(
@@ -118,18 +127,35 @@ def step_plans(draw: st.DrawFn, spec: TargetSpec, pipelined: bool = True) -> Ste
         accepted=draw(st.integers(0, spec_k)),
         chunk=draw(st.one_of(st.integers(1, largest), st.integers(1, spec.max_num_tokens))),
         rotate=draw(st.integers(0, 63)),
-        stress=draw(stresses(spec, pipelined)),
+        stress=draw(stresses(spec, pipelined, swarm)),
     )
 
 
 def schedules(
     spec: TargetSpec, max_steps: int = 12, *, pipelined: bool = True
 ) -> st.SearchStrategy[list[StepPlan]]:
-    """Lists of 1..max_steps plans; any such list compiles to legal batches. `pipelined=False`
-    draws no pipelined pairs: every step runs in lockstep."""
+    """Lists of 1..max_steps plans, each list with its own swarm (`swarm.py`: a random part of
+    the features and stressors switched off for the whole schedule); any such list compiles to
+    legal batches. `pipelined=False` draws no pipelined pairs: every step runs in lockstep."""
     if max_steps < 1:
         raise ValueError(f"max_steps={max_steps} must be >= 1")
-    return st.lists(step_plans(spec, pipelined), min_size=1, max_size=max_steps)
+    return swarms(spec).flatmap(
+        lambda swarm: st.lists(step_plans(spec, pipelined, swarm), min_size=1, max_size=max_steps)
+    )
+
+
+def first_pair() -> list[StepPlan]:
+    """The simplest schedule whose pipelined pair runs two decode steps: one step that admits a
+    request (its prefill), then two decode steps of it, the second submitted before the first is
+    read. A campaign runs it as its first example: Hypothesis's own first example is its simplest
+    draw, a single step, and a race between two steps (an event not waited for, a staging buffer
+    rewritten while the step before still reads it) needs two steps that both replay a graph.
+
+    It is not what `schedules` draws first because shrinking moves towards the simplest draw: were
+    a pair the simplest, every shrunk schedule would keep one, and a bug of one step would be
+    reported with three."""
+    single = StepPlan(kind="decode", rows=1)
+    return [single, single, dataclasses.replace(single, stress=Stress(pipelined=True))]
 
 
 @st.composite

@@ -7,15 +7,18 @@ Public API (stable; the pytest plugin is built on it):
 - `run_campaign(factory, *, backend="sim", max_examples=50, max_steps=12, seed=None,
   features=None, progress=None, settings=None, stats=None, shrink_seconds=None,
   on_example=None, pipelined=True) -> CampaignStats`: Hypothesis draws schedules of legal
-  batches and stressors (with pipelined pairs unless `pipelined=False`);
+  batches and stressors (with pipelined pairs unless `pipelined=False`, the first example then
+  being the simplest pipelined pair; each schedule switches a random part of the features and
+  stressors off, `strategies/swarm.py`), run on twins kept across examples (`kept_twins.py`,
+  docs/contract.md "Kept twins");
   the first failure is shrunk to its smallest schedule (within `shrink_seconds`, when given) and
   raised as `GraphmodeFailure` (its `.stats` holds the statistics so far). `stats` is counted
   into as the campaign runs, so its caller keeps the counts of an interrupted campaign.
 - `isolation.run_isolated(...)`: the same campaign in a child process; a device fault or a dead
   child is a failure of `no_device_fault` (docs/ci.md, "Device faults").
 - `replay(batches, *, factory, backend="sim", seed=0) -> CampaignStats`: re-run a concrete
-  schedule (a list of `Batch`, optionally with `Stress` events) with every check; a failure's
-  `replay_snippet` is such a call.
+  schedule (a list of `Batch`, optionally with `Stress` events, and `Reset` events that start the
+  next example on the same twins) with every check; a failure's `replay_snippet` is such a call.
 - `CampaignStats`: examples, steps, pipelined_steps, buckets_hit, paths, fallback_reasons, checks_run, failures,
   seconds, the first failure as found (`first_failure_seconds`, `_example`, `_check`) and its
   shrinking (`shrinking`, `shrink_seconds`, `shrink_budget_seconds`, `shrink_stopped_by_budget`),

@@ -11,6 +11,7 @@ and a failing example re-runs through exactly the code path `replay` uses.
 from __future__ import annotations
 
 import dataclasses
+import random
 import tempfile
 import threading
 import time
@@ -23,12 +24,12 @@ from hypothesis import strategies as st
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, TargetFactory, TargetSpec
 from pytest_graphmode.failure import Failure, GraphmodeFailure
-from pytest_graphmode.fuzz.lockstep import Lockstep
+from pytest_graphmode.fuzz.kept_twins import HistoryFailure, KeptTwins
 from pytest_graphmode.fuzz.registry import NO_DEVICE_FAULT, is_device_fault
 from pytest_graphmode.settings import hypothesis_settings
 from pytest_graphmode.strategies.plans import StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
-from pytest_graphmode.strategies.schedules import schedules
+from pytest_graphmode.strategies.schedules import first_pair, schedules
 
 
 def target_spec(factory: TargetFactory, backend: str) -> TargetSpec:
@@ -110,15 +111,20 @@ def run_campaign(
     shrunk. `shrink_seconds` bounds the shrinking (None: Hypothesis shrinks until done; 0: the
     failure is reported as found). `on_example(seed, events)` is called before each example runs.
     `pipelined=False` leaves pipelined pairs out of the schedules (docs/contract.md): every step
-    then runs in lockstep, each read before the next is sent.
+    then runs in lockstep, each read before the next is sent; else the first example is the
+    simplest pipelined pair (`first_pair`), one of the campaign's examples.
     """
     spec = campaign_spec(factory, backend, features)
     stats = CampaignStats() if stats is None else stats
     started = time.perf_counter()
     chosen = settings or hypothesis_settings(max_examples)
     stats.planned_examples = chosen.max_examples
+    leading_pair = pipelined and hypothesis.Phase.explicit in chosen.phases
+    if leading_pair:
+        chosen = _after_a_leading_example(chosen)
     stats.shrink_budget_seconds = shrink_seconds
     budget = _ShrinkBudget(stats, started, shrink_seconds, progress)
+    twins = KeptTwins(factory, backend=backend, stats=stats)
 
     @hypothesis.given(
         plans=schedules(spec, max_steps, pipelined=pipelined),
@@ -128,19 +134,24 @@ def run_campaign(
         if budget.spent():
             raise _ShrinkBudgetSpent
         events = compile_schedule(spec, plans, seed=example_seed)
+        budget.leading = leading_pair and stats.examples == 0  # explicit examples run first
         stats.examples += 1
         if on_example is not None:
             on_example(example_seed, events)
-        lockstep = Lockstep(factory, backend=backend, seed=example_seed, stats=stats)
         try:
-            lockstep.run(events)
+            twins.run(events, example_seed)
+        except HistoryFailure as escaped:
+            budget.failed(escaped.failed, unshrunk=HISTORY)
+            raise
         except Exception as failed:
-            budget.failed(failed)
+            budget.failed(failed, unshrunk=LEADING if budget.leading else None)
             raise
         finally:
-            lockstep.close()
             budget.report()
 
+    if leading_pair:
+        pair_seed = random.Random(seed).randrange(2**31)  # seed None: a random one
+        example = hypothesis.example(plans=first_pair(), example_seed=pair_seed)(example)
     example = chosen(example)
     if seed is not None:
         example = hypothesis.seed(seed)(example)
@@ -150,14 +161,33 @@ def run_campaign(
                 example()
             except _ShrinkBudgetSpent:
                 raise budget.smallest_failure() from None
-    except GraphmodeFailure as failed:
+    except (GraphmodeFailure, HistoryFailure) as caught:
+        failed = caught.failed if isinstance(caught, HistoryFailure) else caught
         failure = budget.annotated(failed.failure)
         stats.failures.append(failure)
         raise GraphmodeFailure(failure, stats) from None
     finally:
+        twins.close()
         budget.finish()
         stats.seconds += time.perf_counter() - started
     return stats
+
+
+def _after_a_leading_example(chosen: hypothesis.settings) -> hypothesis.settings:
+    """`chosen` for the examples Hypothesis draws after the leading pair, which runs as an
+    explicit example: one fewer, so the campaign runs `max_examples` in all; none drawn when
+    the pair is the only one (Hypothesis wants at least one, or no generate phase)."""
+    if chosen.max_examples > 1:
+        return hypothesis.settings(chosen, max_examples=chosen.max_examples - 1)
+    drawn = (hypothesis.Phase.generate, hypothesis.Phase.target)
+    return hypothesis.settings(chosen, phases=[p for p in chosen.phases if p not in drawn])
+
+
+LEADING = (
+    "shrinking skipped: this is the campaign's first example, the simplest schedule with a "
+    "pipelined pair, and its replay ends at the failing step"
+)
+HISTORY = "shrinking skipped: the failure needs the examples before it on the same twins"
 
 
 class _ShrinkBudgetSpent(BaseException):
@@ -185,13 +215,18 @@ class _ShrinkBudget:
         self._stats, self._started, self._limit, self._progress = stats, started, limit, progress
         self._found_at: float | None = None
         self._last_failure: Exception | None = None
+        # Whether the example running is the campaign's leading pair, which Hypothesis runs as an
+        # explicit example: a failure there is reported as found, never shrunk.
+        self.leading = False
+        self._unshrunk: str | None = None  # why the first failure is not shrunk, if it is not
         self._lock = threading.Lock()  # progress runs on the ticker thread too
 
-    def failed(self, error: Exception) -> None:
+    def failed(self, error: Exception, unshrunk: str | None = None) -> None:
         self._last_failure = error
         if self._found_at is not None:
             return
         self._found_at = time.perf_counter()
+        self._unshrunk = unshrunk
         stats = self._stats
         stats.first_failure_seconds = self._found_at - self._started
         stats.first_failure_example = stats.examples
@@ -252,7 +287,9 @@ class _ShrinkBudget:
         self.finish()
         stats = self._stats
         took = f"{stats.shrink_seconds:.1f} s"
-        if stats.shrink_stopped_by_budget:
+        if self._unshrunk is not None:
+            line = self._unshrunk
+        elif stats.shrink_stopped_by_budget:
             line = (
                 f"shrinking stopped at its budget of {self._limit:g} s after {took}: the schedule "
                 "is the smallest found by then (--graphmode-shrink-seconds gives more time)"

@@ -14,6 +14,10 @@ all of them, and the twins it is compared with must be undisturbed references.
 A step whose `Stress` says `pipelined` runs with the step before it as a pipelined pair
 (`_run_pair`): the references (eager, clean, company) still run in lockstep, each read at its
 step, but the graph twin gets both steps back to back and is read only after the second.
+
+Twins made `kept=True` serve several examples (`kept_twins.py`): a `Reset` event restores every
+twin's `state()` from the copy taken when they were made and starts the next example, with the
+graphs captured so far still captured.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from pytest_graphmode.fuzz.snippet import replay_snippet
 from pytest_graphmode.fuzz.violation import Violation
 from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.strategies import stressors
-from pytest_graphmode.strategies.plans import Stress
+from pytest_graphmode.strategies.plans import Reset, Stress
+
+Event = Batch | Stress | Reset
 
 
 def bucket_for(spec: TargetSpec, num_tokens: int) -> int:
@@ -108,7 +114,13 @@ class Lockstep:
     """Owns the twins of one example; `run` raises `GraphmodeFailure` on the first violation."""
 
     def __init__(
-        self, factory: TargetFactory, *, backend: str, seed: int, stats: CampaignStats
+        self,
+        factory: TargetFactory,
+        *,
+        backend: str,
+        seed: int,
+        stats: CampaignStats,
+        kept: bool = False,
     ) -> None:
         from pytest_graphmode.runtime import backends
 
@@ -125,6 +137,13 @@ class Lockstep:
         self._targets: list[GraphTarget] = []
         # The graph twin's latest result: the caller holds it while the next step runs.
         self._graph_result: StepResult | None = None
+        self.twin_seed = seed  # the seed the twins were made with; `seed` is the example's
+        self.examples = 1  # examples run on these twins: 1 + the `Reset` events run
+        # The seed of the last `update_weights` call on the twins (None: their weights are still
+        # the factory's). Restoring `state()` does not undo it: the next example starts from them.
+        self.weight_seed: int | None = None
+        self._history: list[Event] = []  # the events of the examples run before this one
+        self._saved: list[dict[str, torch.Tensor]] = []
         try:
             self.graph = self._make("graph")
             self.eager = self._make("eager")
@@ -141,6 +160,12 @@ class Lockstep:
                     f"the factory made twins with different specs: {twin.spec} vs "
                     f"{self.spec}; a factory must be deterministic in its seed"
                 )
+        if kept:
+            # Kept on the device: a `Reset` is then one device-side copy per tensor.
+            self._saved = [
+                {key: value.detach().clone() for key, value in twin.state().items()}
+                for twin in self._targets
+            ]
 
     def _make(self, mode: Literal["graph", "eager"]) -> GraphTarget:
         target = self._factory(mode, seed=self.seed, backend=self._backend_name)
@@ -155,10 +180,49 @@ class Lockstep:
             self._activated = False
             self.backend.deactivate()
 
-    def run(self, events: Sequence[Batch | Stress]) -> None:
-        """Run `events` and check every step. A step whose stress is `pipelined` forms a pair
-        with the step before it, unless that one is already the second of a pair: pairs do not
-        chain, since a result need stay valid only until the step after it returns."""
+    def reset(self, seed: int) -> None:
+        """Start the next example on these twins, with `seed` (see `Reset`)."""
+        if not self._saved:
+            raise ValueError("these twins keep no copy of their state: make them with kept=True")
+        for twin, saved in zip(self._targets, self._saved, strict=True):
+            state = twin.state()
+            if state.keys() != saved.keys():
+                raise ValueError(
+                    f"state() returned keys {sorted(state)} after {sorted(saved)} when the twin "
+                    "was made: the harness restores a kept twin through the tensors state() "
+                    "returns"
+                )
+            for key, tensor in state.items():
+                tensor.copy_(saved[key])
+        self.backend.synchronize()
+        self.backend.take_races()  # the harness's own restoring copies
+        torch.manual_seed(seed)
+        self.backend.set_scheduler_seed(seed)
+        self.seed = seed
+        self.examples += 1
+        self._graph_result = None
+
+    def run(self, events: Sequence[Event]) -> None:
+        """Run `events`, one example or (separated by `Reset` events) several on these twins,
+        and check every step."""
+        example: list[Batch | Stress] = []
+        for event in events:
+            if not isinstance(event, Reset):
+                example.append(event)
+                continue
+            self._run_example(example)
+            self._history += example
+            self.reset(event.seed)
+            self._history.append(event)
+            example = []
+        self._run_example(example)
+        self._history += example
+
+    def _run_example(self, events: Sequence[Batch | Stress]) -> None:
+        """Run one example's `events` and check every step. A step whose stress is `pipelined`
+        forms a pair with the step before it, unless that one is already the second of a pair:
+        pairs do not chain, since a result need stay valid only until the step after it
+        returns."""
         steps = _steps(events)
         kept: list[Kept] = []
         previous: Batch | None = None
@@ -185,6 +249,7 @@ class Lockstep:
         self, stress: Stress, previous: Batch | None, batch: Batch, rng: random.Random
     ) -> list[torch.Tensor]:
         if stress.weight_seed is not None:
+            self.weight_seed = stress.weight_seed
             for twin in self._targets:
                 twin.update_weights(stress.weight_seed)
         blocks, slots = stressors.live_indices(self.spec, [b for b in (previous, batch) if b])
@@ -403,8 +468,14 @@ class Lockstep:
         pair: int | None = None,
     ) -> None:
         snippet = replay_snippet(
-            events, factory=self._factory, backend=self._backend_name, seed=self.seed
+            [*self._history, *events],
+            factory=self._factory,
+            backend=self._backend_name,
+            seed=self.twin_seed,
         )
+        where = f"seed {self.seed}"
+        if self.examples > 1:
+            where += f", example {self.examples} on twins made with seed {self.twin_seed}"
         pipelined = (
             []
             if pair is None
@@ -415,7 +486,7 @@ class Lockstep:
         )
         message = "\n".join(
             [
-                f"graphmode check {violation.check!r} failed at step {step} (seed {self.seed})",
+                f"graphmode check {violation.check!r} failed at step {step} ({where})",
                 violation.describe(),
                 f"step {step}: {batch.num_reqs} requests, {batch.num_tokens} tokens, phase "
                 f"{batch.phase}, query lengths {batch.query_lens}",
@@ -424,7 +495,7 @@ class Lockstep:
                 snippet,
             ]
         )
-        failure = Failure(violation.check, step, message, self.seed, snippet)
+        failure = Failure(violation.check, step, message, self.twin_seed, snippet)
         raise GraphmodeFailure(failure, self.stats)
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pytest_graphmode.contract import Batch
-from pytest_graphmode.strategies.plans import Stress
+from pytest_graphmode.strategies.plans import Reset, Stress
 from pytest_graphmode.strategies.rank_schedules import RankEvent, RankFault
 
 
@@ -25,7 +25,11 @@ def factory_reference(factory: Callable[..., Any]) -> tuple[str, str]:
 
 
 def replay_snippet(
-    events: Sequence[Batch | Stress], *, factory: Callable[..., Any], backend: str, seed: int
+    events: Sequence[Batch | Stress | Reset],
+    *,
+    factory: Callable[..., Any],
+    backend: str,
+    seed: int,
 ) -> str:
     """Python source that re-runs `events` with every check (runnable as is)."""
     import_line, factory_expr = factory_reference(factory)
@@ -41,8 +45,9 @@ def _imports(source: str, runner: str, factory_import: str) -> list[str]:
     contract = [name for name in ("Batch", "Request") if f"{name}(" in source]
     lines = [f"from pytest_graphmode.contract import {', '.join(contract)}"] if contract else []
     lines.append(runner)
-    if "Stress(" in source:
-        lines.append("from pytest_graphmode.strategies.plans import Stress")
+    plans = [name for name in ("Reset", "Stress") if f"{name}(" in source]
+    if plans:
+        lines.append(f"from pytest_graphmode.strategies.plans import {', '.join(plans)}")
     if "RankFault(" in source:
         lines.append("from pytest_graphmode.strategies.rank_schedules import RankFault")
     if factory_import:

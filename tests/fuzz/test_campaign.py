@@ -13,6 +13,7 @@ from pytest_graphmode.contract import Batch
 from pytest_graphmode.fuzz import CHECKS, CampaignStats, GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.isolation import NO_DEVICE_FAULT
 from pytest_graphmode.fuzz.registry import RANK_CHECKS
+from pytest_graphmode.strategies.plans import Stress
 from tests.fuzz import toy
 
 
@@ -20,16 +21,43 @@ def test_a_correct_runner_passes_and_every_check_but_the_rank_checks_runs():
     seen = []
     stats = run_campaign(
         toy.make_target,
-        max_examples=6,
+        max_examples=10,  # each schedule switches about half the features off (swarm.py)
         max_steps=6,
         seed=2,
         progress=lambda s: seen.append(s.examples),
     )
-    assert stats.examples == 6 and seen == [1, 2, 3, 4, 5, 6]
+    assert stats.examples == 10 and seen == list(range(1, 11))
     assert stats.steps >= 6 and stats.failures == []
     # no_device_fault is judged only by the parent of an isolated campaign (test_isolation.py).
     assert set(stats.checks_run) == set(CHECKS) - set(RANK_CHECKS) - {NO_DEVICE_FAULT}
     assert sum(stats.buckets_hit.values()) == stats.steps == sum(stats.paths.values())
+
+
+def test_the_first_example_is_the_simplest_pipelined_pair_and_one_of_the_examples():
+    seen: list[list[Batch | Stress]] = []
+    stats = run_campaign(
+        toy.make_target, max_examples=3, max_steps=4, seed=5, on_example=lambda _, e: seen.append(e)
+    )
+    assert stats.examples == len(seen) == 3
+    assert [type(e) for e in seen[0]] == [Batch, Batch, Stress, Batch]
+    assert seen[0][2] == Stress(pipelined=True) and stats.pipelined_steps >= 2
+
+
+def test_a_one_example_campaign_runs_the_pair_alone_and_lockstep_campaigns_never():
+    seen: list[list[Batch | Stress]] = []
+    alone = run_campaign(
+        toy.make_target, max_examples=1, seed=5, on_example=lambda _, e: seen.append(e)
+    )
+    assert alone.examples == 1 and alone.pipelined_steps == 2
+    lockstep = run_campaign(
+        toy.make_target,
+        max_examples=3,
+        seed=5,
+        pipelined=False,
+        on_example=lambda _, e: seen.append(e),
+    )
+    assert lockstep.examples == 3 and lockstep.pipelined_steps == 0
+    assert not any(isinstance(e, Stress) and e.pipelined for events in seen[1:] for e in events)
 
 
 def test_the_same_seed_gives_the_same_campaign():
@@ -58,6 +86,7 @@ def test_a_zero_shrink_budget_reports_the_failure_as_found():
             max_steps=4,
             seed=1,
             shrink_seconds=0,
+            pipelined=False,  # else the leading pair fails, which is never shrunk
             progress=lambda s: heard.append((s.examples, s.first_failure_check, s.shrinking)),
         )
     stats = caught.value.stats
@@ -75,7 +104,7 @@ def test_a_zero_shrink_budget_reports_the_failure_as_found():
 
 def test_an_unbounded_shrink_says_it_finished():
     with pytest.raises(GraphmodeFailure) as caught:
-        run_campaign(toy.factory(["drift"]), max_examples=10, max_steps=3, seed=1)
+        run_campaign(toy.factory(["drift"]), max_examples=10, max_steps=3, seed=1, pipelined=False)
     stats = caught.value.stats
     assert stats is not None and stats.first_failure_example is not None
     assert stats.examples > stats.first_failure_example  # shrinking ran more examples
@@ -83,14 +112,21 @@ def test_an_unbounded_shrink_says_it_finished():
     assert "; shrinking finished in " in caught.value.failure.message
 
 
-def test_shrinking_leaves_a_single_step_of_batch_literals():
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_shrinking_leaves_a_single_step_of_batch_literals(pipelined: bool):
+    """With pipelined pairs, the leading pair finds the bug at its first step and its replay ends
+    there; without, Hypothesis shrinks a drawn schedule down to one step."""
     with pytest.raises(GraphmodeFailure) as caught:
-        run_campaign(toy.factory(["drift"]), max_examples=10, max_steps=3, seed=1)
+        run_campaign(
+            toy.factory(["drift"]), max_examples=10, max_steps=3, seed=1, pipelined=pipelined
+        )
     snippet = caught.value.failure.replay_snippet
     namespace: dict[str, object] = {}
     exec(snippet.split("replay(events")[0], namespace)
     assert [type(e) for e in namespace["events"]] == [Batch]
     assert caught.value.failure.step == 0
+    leading = "shrinking skipped: this is the campaign's first example, the simplest schedule"
+    assert (leading in caught.value.failure.message) == pipelined
 
 
 def test_a_failure_drawn_from_the_global_generator_replays_with_the_same_values():

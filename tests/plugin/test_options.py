@@ -34,6 +34,7 @@ def test_help_says_what_each_profile_means(pytester: pytest.Pytester) -> None:
         "dev = 10 examples of up to 8 steps, ci = 50 examples of up to 12 steps, nightly = 500 "
         "examples of up to 24 steps" in text
     )
+    assert "default dev, about a minute for the built-in suite on sim on a 2-core machine" in text
 
 
 def test_fuzz_only_collects_just_the_builtin_suite(toy_project: pytest.Pytester) -> None:

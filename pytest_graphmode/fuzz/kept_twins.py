@@ -1,0 +1,145 @@
+"""How a campaign runs its examples: on twins kept across examples.
+
+Making the twins and capturing their graphs is most of an example's cost, so a campaign keeps its
+twins: each example after the first on them starts with a `Reset` (every twin's `state()` restored
+from the copy taken when the twins were made, the generators reseeded), and the graphs captured
+so far stay captured. Fresh twins still come, so that bugs of capture itself stay reachable: every
+`FRESH_EVERY`-th example. A weight update needs none: every twin gets the same new weights, and
+the next examples start from them (restoring `state()` does not undo them). What a runner must
+do to be kept is in docs/contract.md ("Kept twins").
+
+A failure found on kept twins is run again alone, on fresh twins, after the weight update it
+started from if there was one. When it fails there too without such an update, that is the
+failure reported and shrunk: its snippet replays the example alone. When it fails only after the
+update, it is reported at once, unshrunk (Hypothesis knows nothing of the update), with a snippet
+that replays the update and the example. When it does not fail alone, the failure needed the
+twins' history: it is reported at once, its snippet replays every example since the twins were
+made (each after a `Reset`), and it is not shrunk, since Hypothesis shrinks one example and this
+one passes alone. Either way the rest of the campaign (shrinking) runs on fresh twins, where an
+example's outcome depends on that example alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from pytest_graphmode.campaign_stats import CampaignStats
+from pytest_graphmode.contract import Batch, TargetFactory
+from pytest_graphmode.failure import GraphmodeFailure
+from pytest_graphmode.fuzz.lockstep import Lockstep
+from pytest_graphmode.strategies.plans import Reset, Stress
+
+FRESH_EVERY = 8
+"""Examples run on one set of twins before fresh ones are made (and their graphs captured)."""
+
+
+class HistoryFailure(BaseException):
+    """A failure that needed the twins' history. A `BaseException`, so that it passes Hypothesis
+    unshrunk: shrinking it example by example would find that it passes alone (flaky, to
+    Hypothesis)."""
+
+    def __init__(self, failed: GraphmodeFailure) -> None:
+        super().__init__(failed.failure.message)
+        self.failed = failed
+
+
+class KeptTwins:
+    """Runs a campaign's examples, on twins kept across examples until the first failure."""
+
+    def __init__(self, factory: TargetFactory, *, backend: str, stats: CampaignStats) -> None:
+        self._factory, self._backend, self._stats = factory, backend, stats
+        self._keep = True
+        self._kept: Lockstep | None = None
+
+    def run(self, events: Sequence[Batch | Stress], seed: int) -> None:
+        """Run one example; raise `GraphmodeFailure` (or `HistoryFailure`) for a failure."""
+        if not self._keep:
+            self._alone(events, seed, self._stats)
+            return
+        kept = self._kept
+        if kept is None or kept.examples >= FRESH_EVERY:
+            self.close()
+            kept = self._kept = Lockstep(
+                self._factory, backend=self._backend, seed=seed, stats=self._stats, kept=True
+            )
+            run: list[Batch | Stress | Reset] = list(events)
+        else:
+            run = [Reset(seed), *events]
+        weights = kept.weight_seed  # the weights this example starts from
+        try:
+            kept.run(run)
+        except GraphmodeFailure as error:
+            found = error
+        except BaseException:
+            # A device fault poisons the twins' context, Ctrl-C ends the campaign: neither
+            # leaves twins worth keeping.
+            self._stop_keeping()
+            raise
+        else:
+            return
+        # Outside the handler: Hypothesis tells failures apart by where they were raised and by
+        # the exceptions they were raised while handling, and the shrinker's replays of this
+        # example, on fresh twins, raise it plainly.
+        self._stop_keeping()
+        if kept.examples > 1:
+            self._confirm(found, events, seed, kept.examples, weights)
+        raise found
+
+    def close(self) -> None:
+        """Close the kept twins (a campaign calls this at its end, also on failure or Ctrl-C)."""
+        if self._kept is not None:
+            kept, self._kept = self._kept, None
+            kept.close()
+
+    def _stop_keeping(self) -> None:
+        self._keep = False
+        self.close()
+
+    def _alone(self, events: Sequence[Batch | Stress], seed: int, stats: CampaignStats) -> None:
+        lockstep = Lockstep(self._factory, backend=self._backend, seed=seed, stats=stats)
+        try:
+            lockstep.run(events)
+        finally:
+            lockstep.close()
+
+    def _confirm(
+        self,
+        found: GraphmodeFailure,
+        events: Sequence[Batch | Stress],
+        seed: int,
+        examples: int,
+        weights: int | None,
+    ) -> None:
+        """Run the failing example again alone on fresh twins, after the weight update it started
+        from (if any); raise what that tells."""
+        updated = [] if weights is None else [Stress(weight_seed=weights)]
+        alone = self._failure_alone([*updated, *events], seed)
+        if alone is not None and not updated:
+            alone.stats = self._stats
+            raise alone  # outside any handler: raised as a fresh run of the example raises it
+        if alone is not None:
+            note = (
+                f"\nthis example started from the weights of update_weights({weights}), called by "
+                "an earlier example on the same twins: the snippet above replays that update, "
+                "then the example"
+            )
+            failure = dataclasses.replace(alone.failure, message=alone.failure.message + note)
+            raise HistoryFailure(GraphmodeFailure(failure, self._stats)) from found
+        note = (
+            f"\nthis failure needed the twins' history: the failing example passes alone on fresh "
+            f"twins. It was example {examples} run on the same twins; the snippet above replays "
+            f"all {examples} (a Reset starts each, restoring the twins' state())"
+        )
+        failure = dataclasses.replace(found.failure, message=found.failure.message + note)
+        raise HistoryFailure(GraphmodeFailure(failure, self._stats)) from found
+
+    def _failure_alone(
+        self, events: Sequence[Batch | Stress], seed: int
+    ) -> GraphmodeFailure | None:
+        """What `events` raise alone on fresh twins (None: they pass)."""
+        try:
+            self._alone(events, seed, CampaignStats(examples=1))
+        except GraphmodeFailure as alone:
+            return alone
+        return None

@@ -1,0 +1,54 @@
+"""Swarm testing (Groce et al., "Swarm Testing", ISSTA 2012): each example switches a random subset
+of the stressors and batch features off.
+
+A schedule that may use everything at every step tends to mix everything: a bug that shows only
+when a feature is absent long enough (no adapters for a dozen steps, no allocator churn between two
+replays, no weight update resetting a cache) is rarely drawn. With a random part of the features
+switched off for a whole example, each feature still appears in about half of the examples, and
+combinations that leave most of them out become common. A switched-off feature is simply never
+drawn; what remains compiles to legal batches as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+from pytest_graphmode.contract import TargetSpec
+
+FEATURES = ("sampling", "adapters", "spec_decode", "weight_update")
+"""The spec features a swarm may switch off: each only widens what batches and stresses hold."""
+STRESSORS = ("churn", "delays", "pipelined")
+"""Stressors a swarm may switch off: `delays` covers cuda sleeps and the sim's reseeded scheduler."""
+
+
+@dataclass(frozen=True)
+class Swarm:
+    """What one example may use: the spec's features and the stressors left on."""
+
+    features: frozenset[str]
+    stressors: frozenset[str]
+
+    def spec(self, spec: TargetSpec) -> TargetSpec:
+        """`spec` with the switched-off features removed: what this example's plans draw from."""
+        off = frozenset(FEATURES) - self.features
+        return dataclasses.replace(spec, features=spec.features - off)
+
+
+EVERYTHING = Swarm(frozenset(FEATURES), frozenset(STRESSORS))
+
+
+@st.composite
+def swarms(draw: st.DrawFn, spec: TargetSpec) -> Swarm:
+    """A random subset of the features and stressors switched off (each with probability 1/2;
+    those the spec lacks are not drawn). The simplest swarm switches nothing off: an example's
+    first draws are unchanged, and what shrinking simplifies are the steps themselves, whose
+    simplest values use no feature and no stressor anyway."""
+    off = {name for name in (*FEATURES, *STRESSORS) if _offered(spec, name) and draw(st.booleans())}
+    return Swarm(frozenset(FEATURES) - off, frozenset(STRESSORS) - off)
+
+
+def _offered(spec: TargetSpec, name: str) -> bool:
+    return name in STRESSORS or name in spec.features
