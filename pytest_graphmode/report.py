@@ -80,8 +80,22 @@ def fallback_cause(reason: str) -> str:
     """The stable part of a fallback reason: its first clause, with numbers replaced by N
     (`batch of 12 tokens exceeds the largest capture size 8` -> `batch of N tokens exceeds the
     largest capture size N`)."""
-    clause = re.split(r"[;,]", reason, maxsplit=1)[0].strip()
+    clause = _first_clause(reason).strip()
     return re.sub(r"\d+", "N", clause) or reason
+
+
+def _first_clause(reason: str) -> str:
+    """`reason` up to its first `;` or `,` outside brackets: a graph key such as `(16, 32, 256)`
+    belongs to its clause."""
+    depth = 0
+    for index, char in enumerate(reason):
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth = max(depth - 1, 0)
+        elif char in ";," and depth == 0:
+            return reason[:index]
+    return reason
 
 
 def check_glossary(

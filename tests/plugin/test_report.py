@@ -230,3 +230,17 @@ def test_campaign_line_sums_up_a_finished_test_for_the_xdist_controller() -> Non
         "graphmode suite.py::test_campaign: 1 campaign(s), 50 examples, 412 steps, 0 failures, "
         "12.3 s"
     )
+
+
+def test_a_fallback_cause_keeps_a_graph_key_whole() -> None:
+    reasons = Counter(
+        {
+            f"captured the graph keyed ({n}, 32, 256): the capture step ran eagerly": 1
+            for n in (16, 32)
+        }
+    )
+    line = summary_lines(SessionSummary(1, campaign(fallback_reasons=reasons)))[4]
+    assert (
+        line
+        == "fallback reasons: captured the graph keyed (N, N, N): the capture step ran eagerly: 2"
+    )

@@ -1,0 +1,302 @@
+"""transformers' continuous-batching runner, driven one batch at a time.
+
+Everything this package knows about transformers' private continuous-batching surface lives here
+and nowhere else: the manager (`init_continuous_batching`), its batch processor, the paged cache
+and its per-request block tables, the IO object that pads and stages a batch
+(`prepare_batch_tensors`), the model runner (`maybe_pad_inputs`, `compute_batch`) and the graph
+store keyed by padded sizes. That surface moves between releases, so `check_version()` admits
+only the releases it was read against and says what to install otherwise.
+
+The engine is transformers' own: its padding, its graph keys, its warm-up and its capture. This
+module replaces only the scheduler (the caller chooses each batch and its blocks) and adds one
+forward hook that copies the LM head's output out, since transformers keeps its logits inside the
+captured graph and hands out only the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import re
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# Releases whose continuous-batching surface this module was written against: the IO object's
+# `prepare_batch_tensors(..., use_padding)` arrives in 5.13; 5.18 replaces the per-group block
+# tables and the trailing trash blocks with sector allocators and a flat byte cache.
+OLDEST = (5, 13)
+BEYOND = (5, 18)  # the first release it does not support
+SUPPORTED = "transformers>=5.13,<5.18"
+
+
+class UnsupportedTransformers(RuntimeError):
+    """The installed transformers is missing or outside the releases this adapter supports."""
+
+
+def support_problem() -> str | None:
+    """Why no `Engine` can be made here (transformers missing or unsupported); None if one can."""
+    try:
+        check_version()
+    except UnsupportedTransformers as exc:
+        return str(exc)
+    return None
+
+
+def check_version() -> str:
+    """The installed transformers version; raises `UnsupportedTransformers` unless it is supported."""
+    try:
+        installed = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise UnsupportedTransformers(
+            f"transformers is not installed; install the extra: pip install 'pytest-graphmode[hf]' "
+            f"({SUPPORTED})"
+        ) from exc
+    match = re.match(r"(\d+)\.(\d+)", installed)
+    release = (int(match[1]), int(match[2])) if match else (0, 0)
+    if not OLDEST <= release < BEYOND:
+        raise UnsupportedTransformers(
+            f"transformers {installed} is installed, but the continuous-batching adapter supports "
+            f"{SUPPORTED} only: its batch processor, paged cache and graph store are private and "
+            f"change between releases; pip install '{SUPPORTED}'"
+        )
+    return installed
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """A random-weight Llama and the continuous-batching sizes it is served with."""
+
+    vocab_size: int = 128
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    block_size: int = 8  # transformers' smallest is 4
+    num_blocks: int = 32  # allocatable blocks; transformers adds its two trash blocks after them
+    max_batch_tokens: int = 32
+    max_requests: int = 4
+    q_padding: int = (
+        16  # query tokens are padded to a multiple of this (the graph key's first size)
+    )
+    kv_padding: int = 32  # cached tokens read are padded to a multiple of this (its second size)
+
+    @property
+    def max_position(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request of a batch as the engine takes it."""
+
+    request_id: int
+    tokens: tuple[int, ...]
+    context_len: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class EngineStep:
+    logits: Tensor  # [num_requests, vocab] float32, the caller's own copy
+    tokens: Tensor  # [num_requests] int64, transformers' greedy tokens
+    graph_key: Hashable | None  # the padded sizes keying the graph; None with graphs off
+    captured: bool  # this step captured its graph (its results come from the eager run before)
+
+
+class Engine:
+    """One continuous-batching model runner of transformers, with CUDA graphs requested or not."""
+
+    def __init__(
+        self, config: EngineConfig, *, seed: int, graphs: bool, device: torch.device
+    ) -> None:
+        self.version = check_version()
+        self.config = config
+        # transformers seeds the global generator while it builds its batch processor: the
+        # caller's generator is left as it was, and a twin made after another draws the same.
+        with _own_generators():
+            self._build(config, seed=seed, graphs=graphs, device=device)
+        if device.type == "cuda":  # the warm-up ran on transformers' own compute stream
+            torch.cuda.synchronize(device)
+        # The cache is allocated uninitialised and the warm-up wrote its fake requests into it:
+        # both twins start from zeros, as transformers' read-trash block must stay.
+        with torch.no_grad():
+            for tensor in self.kv_tensors():
+                tensor.zero_()
+
+    def _build(
+        self, config: EngineConfig, *, seed: int, graphs: bool, device: torch.device
+    ) -> None:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        self.model = llama(config, seed).to(device).eval()
+        # Paged SDPA named outright: left to choose, transformers switches to flash attention
+        # where a flash package or kernel is installed, and the path under test would vary by host.
+        self.model.set_attn_implementation("paged|sdpa")
+        # Hooked before the warm-up, so the graphs it captures copy the logits out too.
+        self._logits = torch.zeros(
+            config.max_requests, config.vocab_size, dtype=self.model.dtype, device=device
+        )
+        self._hook = self.model.lm_head.register_forward_hook(self._keep_logits)
+        # Greedy, no EOS, synchronous, no prefix sharing (it would tie blocks to token contents the
+        # caller does not know), no decode fast path (it needs flash attention on a GPU): the
+        # varlen path, whose graphs are keyed by padded query and KV sizes, serves every batch.
+        cb_config = ContinuousBatchingConfig(
+            block_size=config.block_size,
+            num_blocks=config.num_blocks,
+            max_batch_tokens=config.max_batch_tokens,
+            max_requests_per_batch=config.max_requests,
+            max_blocks_per_request=0,
+            use_cuda_graph=graphs,
+            use_async_batching=False,
+            allow_block_sharing=False,
+            q_padding_interval_size=config.q_padding,
+            kv_padding_interval_size=config.kv_padding,
+            seed=seed,
+        )
+        generation = GenerationConfig(do_sample=False, eos_token_id=-1)
+        self._manager: Any = self.model.init_continuous_batching(
+            generation_config=generation, continuous_batching_config=cb_config
+        )
+        # Its warm-up captures the largest graph first, so later captures fit in its pool.
+        self._manager.warmup()
+        self._processor: Any = self._manager.batch_processor
+        self._cache: Any = self._processor.cache
+        self._io: Any = self._processor.inputs_and_outputs
+        self._runner: Any = self._processor.model_runner
+        self._check_layout()
+        self.graphs = bool(self._processor.cb_config.use_cuda_graph[0])
+
+    def _check_layout(self) -> None:
+        # Sliding-window groups change how blocks map to slots; a tiny Llama has full attention only.
+        managers = self._cache.group_cache_managers
+        if len(managers) != 1 or type(managers[0]).__name__ != "FullAttentionCacheAllocator":
+            raise UnsupportedTransformers(
+                "the adapter drives full-attention models only (one layer group of "
+                f"FullAttentionCacheAllocator); this model has {[type(m).__name__ for m in managers]}"
+            )
+        expected = (self.config.num_blocks + 2) * self.config.block_size
+        if self._cache.key_cache[0].shape[0] != expected:
+            raise UnsupportedTransformers(
+                f"transformers {self.version} lays out its paged cache with "
+                f"{self._cache.key_cache[0].shape[0]} rows, not num_blocks + 2 trash blocks "
+                f"= {expected}"
+            )
+
+    def _keep_logits(self, _module: Any, _inputs: Any, output: Tensor) -> None:
+        # [1, padded_requests, vocab]: padded rows repeat a valid row; a replay repeats this copy.
+        rows = output.shape[1]
+        self._logits[:rows].copy_(output[0])
+
+    @property
+    def read_trash_block(self) -> int:
+        """The zeroed block padding tokens read from."""
+        return int(self._cache.read_trash_index) // self.config.block_size
+
+    @property
+    def write_trash_block(self) -> int:
+        """The block padding tokens write to; nothing reads it."""
+        return int(self._cache.write_trash_index) // self.config.block_size
+
+    def kv_tensors(self) -> list[Tensor]:
+        """Per layer, its key then its value cache: [(num_blocks + 2) * block_size, kv_heads, dim]."""
+        return [
+            t
+            for pair in zip(self._cache.key_cache, self._cache.value_cache, strict=True)
+            for t in pair
+        ]
+
+    def run(self, requests: Sequence[EngineRequest]) -> EngineStep:
+        """Stage `requests` with transformers' own padding, run its model runner, read the results."""
+        from transformers.generation.continuous_batching.requests import (
+            FutureRequestState,
+            RequestState,
+            RequestStatus,
+        )
+
+        futures = []
+        (group,) = self._cache.group_cache_managers
+        for request in requests:
+            name = f"graphmode-{request.request_id}"
+            state = RequestState(request_id=name, initial_tokens=list(request.tokens))
+            # The status setter records lifecycle timestamps; the warm-up sets it this way too.
+            state._status = (
+                RequestStatus.DECODING if request.context_len else RequestStatus.PREFILLING
+            )
+            state.tokens_to_process = list(request.tokens)
+            state.position_offset = request.context_len
+            group.block_table[name] = list(request.block_ids)
+            futures.append(FutureRequestState(state, True, 0, len(request.tokens)))
+        try:
+            return self._run(futures, len(requests))
+        finally:
+            for request in requests:
+                group.block_table.pop(f"graphmode-{request.request_id}", None)
+
+    @torch.no_grad()
+    def _run(self, futures: list[Any], num_requests: int) -> EngineStep:
+        num_q = sum(f.query_length for f in futures)
+        kv_read = sum(f.state.position_offset for f in futures)
+        padded_q, padded_kv = self._runner.maybe_pad_inputs(num_q, kv_read, False)
+        self._io.prepare_batch_tensors(
+            futures, self._processor.logit_processor, False, padded_q, padded_kv,
+            use_padding=self._runner.pad_inputs,
+        )  # fmt: skip
+        graphs_before = len(self._io.graphs._storage)
+        self._processor._generation_step(self.model)
+        key = self._io._get_graph_key() if self.graphs else None
+        step = EngineStep(
+            logits=self._logits[:num_requests].float().clone(),
+            tokens=self._io.output_ids[0, :num_requests].to(torch.int64),
+            graph_key=key,
+            captured=len(self._io.graphs._storage) > graphs_before,
+        )
+        # transformers' compute stream does not wait for the caller's: the copies above must have
+        # read the static outputs before the next step's forward rewrites them.
+        if self._logits.is_cuda:
+            torch.cuda.current_stream(self._logits.device).synchronize()
+        return step
+
+    def load_weights(self, seed: int) -> None:
+        """Replace every weight in place by those of `seed`, so captured graphs read the new ones."""
+        fresh = llama(self.config, seed).state_dict()
+        with torch.no_grad():
+            for name, tensor in self.model.state_dict().items():
+                tensor.copy_(fresh[name])
+
+    def close(self) -> None:
+        self._hook.remove()
+        # Dropping the batch processor resets its graphs and frees their pool (its __del__).
+        self._manager.batch_processor = None
+        self._processor = self._cache = self._io = self._runner = None
+
+
+def llama(config: EngineConfig, seed: int) -> Any:
+    """The random-weight Llama of `seed` on the CPU, as an `Engine` of that seed holds it; the
+    global generator is left as it was."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama_config = LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        max_position_embeddings=config.max_position,
+        attn_implementation="sdpa",
+    )
+    with _own_generators():
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(llama_config)
+
+
+def _own_generators() -> contextlib.AbstractContextManager[None]:
+    """Restore every global generator on exit: `torch.manual_seed` seeds each GPU's too."""
+    gpus = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    return torch.random.fork_rng(devices=gpus)

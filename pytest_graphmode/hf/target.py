@@ -1,0 +1,135 @@
+"""transformers' continuous-batching runner behind the target contract.
+
+`make_target("graph", ...)` asks transformers for its CUDA graphs, `make_target("eager", ...)` turns
+them off; made with the same seed, the twins hold the same random-weight Llama and a zeroed cache.
+The harness is the scheduler: its requests and block ids go to transformers as they are, and
+everything else (padding, graph keys, capture, replay, greedy sampling) is transformers' own.
+
+Load it with `--graphmode-target=pytest_graphmode.hf.target:make_target`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+from torch import Tensor
+
+from pytest_graphmode.contract import AddressView, Batch, StepResult, TargetSpec
+from pytest_graphmode.hf.engine import Engine, EngineConfig, EngineRequest
+from pytest_graphmode.runtime import backends
+
+# transformers samples from the global generator and has no adapters: requests stay greedy and
+# on the base model. A query of several tokens after a context is one more varlen batch to it.
+FEATURES = frozenset({"decode", "prefill", "spec_decode", "weight_update"})
+
+
+class HFTarget:
+    """`GraphTarget` over one `Engine`: transformers' batch processor and model runner."""
+
+    def __init__(
+        self, mode: Literal["graph", "eager"], config: EngineConfig, *, seed: int, backend: str
+    ) -> None:
+        if mode not in ("graph", "eager"):
+            raise ValueError(f"mode={mode!r} must be 'graph' or 'eager'")
+        self.mode = mode
+        device = backends.get(backend).device
+        # transformers decides on graphs from torch.cuda alone: on a GPU host it would capture a
+        # model the sim placed on the CPU. There the graphs are left off by the adapter; without
+        # a GPU transformers turns them off itself, and says so.
+        self._graphs_withheld = device.type == "cpu" and backends.cuda_available()
+        self.engine = Engine(
+            config,
+            seed=seed,
+            graphs=mode == "graph" and not self._graphs_withheld,
+            device=device,
+        )
+        # transformers' two trash blocks follow its own: the harness sees them as the last two
+        # blocks, the write trash as the null block. The read trash may be handed to a request:
+        # padding reads it under a mask, which needs it finite, as written KV is.
+        self.spec = TargetSpec(
+            num_blocks=config.num_blocks + 2,
+            block_size=config.block_size,
+            max_blocks_per_req=_blocks_per_request(config),
+            vocab_size=config.vocab_size,
+            max_num_reqs=config.max_requests,
+            max_num_tokens=config.max_batch_tokens,
+            capture_sizes=tuple(
+                range(config.q_padding, config.max_batch_tokens + 1, config.q_padding)
+            ),
+            features=FEATURES,
+            null_block=self.engine.write_trash_block,
+        )
+        self._closed = False
+
+    def step(self, batch: Batch) -> StepResult:
+        out = self.engine.run(
+            [EngineRequest(r.req_id, r.tokens, r.context_len, r.block_ids) for r in batch.requests]
+        )
+        if out.graph_key is not None and not out.captured:
+            return StepResult(out.logits, out.tokens, path="full", graph_key=out.graph_key)
+        if out.graph_key is not None:
+            reason: str | None = (
+                f"captured the graph keyed {out.graph_key}: transformers returns the results of "
+                "the eager run it makes before a capture"
+            )
+        else:
+            reason = self._eager_reason()
+        return StepResult(out.logits, out.tokens, path="eager", graph_key=None, reason=reason)
+
+    def _eager_reason(self) -> str | None:
+        if self.mode == "eager":
+            return None
+        if self._graphs_withheld:
+            return (
+                "the model runs on the CPU (sim) on a host with a GPU: transformers' CUDA graphs "
+                "would capture CPU tensors, so they are off"
+            )
+        return (
+            "transformers switched its CUDA graphs off: torch.cuda.is_available() is False "
+            "where the engine was built"
+        )
+
+    def state(self) -> Mapping[str, Tensor]:
+        tensors = self.engine.kv_tensors()
+        return {
+            f"{kind}{layer}": tensor
+            for layer in range(len(tensors) // 2)
+            for kind, tensor in (("k", tensors[2 * layer]), ("v", tensors[2 * layer + 1]))
+        }
+
+    def static_buffers(self) -> Mapping[str, Tensor]:
+        # transformers resets only the extent the previous batch used before it stages the next
+        # one: its staging tensors are not rewritten whole every step, which is what the harness's
+        # poisoning assumes of the buffers named here (docs/targets-hf.md).
+        return {}
+
+    def address_views(self) -> Sequence[AddressView]:
+        return []  # transformers' graph pool does not expose its addresses
+
+    def update_weights(self, seed: int) -> None:
+        if self._closed:
+            raise RuntimeError("this target is closed; make a new one to load other weights")
+        self.engine.load_weights(seed)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.engine.close()
+
+
+def _blocks_per_request(config: EngineConfig) -> int:
+    # transformers pads a batch's KV read up to its num_blocks pages and no further (its own
+    # scheduler keeps within that budget): a full batch of the longest requests must fit in it.
+    return config.num_blocks // config.max_requests
+
+
+def make_target(
+    mode: Literal["graph", "eager"],
+    *,
+    seed: int,
+    backend: str = "auto",
+    config: EngineConfig | None = None,
+) -> HFTarget:
+    """transformers' continuous batching on a tiny random-weight Llama (`EngineConfig()`)."""
+    return HFTarget(mode, EngineConfig() if config is None else config, seed=seed, backend=backend)

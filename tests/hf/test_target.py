@@ -1,0 +1,139 @@
+"""transformers' continuous batching behind the contract, on the CPU (where it runs no graphs)."""
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pytest_graphmode.contract import Batch, Request, kv_slot
+from pytest_graphmode.fuzz import run_campaign
+from pytest_graphmode.hf.engine import EngineConfig, llama, support_problem
+from pytest_graphmode.hf.target import HFTarget, make_target
+from pytest_graphmode.loader import check_twins
+from pytest_graphmode.runtime import backends
+
+pytest.importorskip("transformers")
+if (problem := support_problem()) is not None:
+    pytest.skip(problem, allow_module_level=True)
+
+PROMPT = (5, 9, 17, 3, 44, 12, 90, 7, 61, 2)  # 10 tokens: a block and a bit
+BLOCKS = (5, 2)
+
+
+@pytest.fixture
+def target() -> Iterator[HFTarget]:
+    made = make_target("eager", seed=3, backend="sim")
+    yield made
+    made.close()
+
+
+def greedy(target: HFTarget, steps: int) -> list[int]:
+    """Prefill PROMPT, then decode `steps` tokens, each fed back."""
+    result = target.step(Batch((Request(1, PROMPT, 0, BLOCKS),)))
+    tokens = [int(result.next_tokens[0])]
+    for position in range(len(PROMPT), len(PROMPT) + steps):
+        request = Request(1, (tokens[-1],), position, BLOCKS)
+        tokens.append(int(target.step(Batch((request,))).next_tokens[0]))
+    return tokens
+
+
+def test_tokens_equal_transformers_generate(target: HFTarget) -> None:
+    reference = llama(EngineConfig(), seed=3).eval()
+    expected = reference.generate(
+        torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert greedy(target, 5) == expected[0, len(PROMPT) :].tolist()
+
+
+def test_prefill_writes_exactly_the_slots_of_its_blocks(target: HFTarget) -> None:
+    target.step(Batch((Request(1, PROMPT, 0, BLOCKS),)))
+    slots = [kv_slot(BLOCKS, position, target.spec.block_size) for position in range(len(PROMPT))]
+    for name, tensor in target.state().items():
+        written = tensor.flatten(1).abs().sum(dim=1).nonzero().flatten().tolist()
+        assert written == sorted(slots), name
+
+
+def test_a_decode_writes_one_slot_in_the_second_block(target: HFTarget) -> None:
+    target.step(Batch((Request(1, PROMPT, 0, BLOCKS),)))
+    before = {name: tensor.clone() for name, tensor in target.state().items()}
+    target.step(Batch((Request(1, (4,), len(PROMPT), BLOCKS),)))
+    slot = kv_slot(BLOCKS, len(PROMPT), target.spec.block_size)
+    for name, tensor in target.state().items():
+        changed = (tensor != before[name]).flatten(1).any(dim=1).nonzero().flatten().tolist()
+        assert changed == [slot], name
+
+
+def test_state_is_the_engines_cache_with_its_trash_blocks_last(target: HFTarget) -> None:
+    spec, config = target.spec, EngineConfig()
+    assert spec.num_blocks == config.num_blocks + 2
+    assert spec.null_block == target.engine.write_trash_block == config.num_blocks + 1
+    state = target.state()
+    assert len(state) == 2 * config.num_layers
+    for tensor, engine_tensor in zip(state.values(), target.engine.kv_tensors(), strict=True):
+        assert tensor.shape[0] == spec.num_slots
+        assert tensor.data_ptr() == engine_tensor.data_ptr()
+        assert not tensor.any()  # the warm-up's writes and the uninitialised memory are gone
+
+
+def test_a_batch_of_requests_matches_each_request_alone() -> None:
+    company = Batch((Request(1, PROMPT, 0, BLOCKS), Request(2, (8, 8, 8), 0, (9,))))
+    alone = Batch((Request(2, (8, 8, 8), 0, (9,)),))
+    first, second = (
+        make_target("eager", seed=4, backend="sim"),
+        make_target("eager", seed=4, backend="sim"),
+    )
+    together, single = first.step(company), second.step(alone)
+    torch.testing.assert_close(together.logits[1], single.logits[0])
+    first.close()
+    second.close()
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a GPU host keeps the graphs off itself (the test below)"
+)
+def test_graph_twin_without_cuda_says_why_it_ran_eagerly() -> None:
+    graph = make_target("graph", seed=0, backend="sim")
+    result = graph.step(Batch((Request(1, PROMPT, 0, BLOCKS),)))
+    graph.close()
+    assert (result.path, result.graph_key) == ("eager", None)
+    assert result.reason is not None and "torch.cuda.is_available() is False" in result.reason
+
+
+def test_making_a_target_leaves_the_global_generator_alone() -> None:
+    torch.manual_seed(11)
+    expected = torch.rand(4)
+    torch.manual_seed(11)
+    make_target("graph", seed=0, backend="sim").close()
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_update_weights_replaces_the_weights_in_place(target: HFTarget) -> None:
+    batch = Batch((Request(1, PROMPT, 0, BLOCKS),))
+    other = make_target("eager", seed=9, backend="sim")
+    target.update_weights(9)
+    torch.testing.assert_close(target.step(batch).logits, other.step(batch).logits)
+    other.close()
+
+
+def test_the_twins_pass_the_loader_checks() -> None:
+    check_twins(make_target, seed=0, backend="sim")
+
+
+def test_a_short_campaign_passes_on_sim() -> None:
+    stats = run_campaign(make_target, backend="sim", max_examples=3, max_steps=6, seed=0)
+    assert stats.failures == []
+    assert stats.paths["eager"] > 0
+
+
+def test_on_a_gpu_host_the_sim_twin_keeps_transformers_graphs_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # transformers would otherwise turn its graphs on for a model the sim keeps on the CPU. Only
+    # the adapter is told of a GPU: transformers itself would then query the device for memory.
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)
+    graph = make_target("graph", seed=0, backend="sim")
+    result = graph.step(Batch((Request(1, PROMPT, 0, BLOCKS),)))
+    graph.close()
+    assert graph.engine.graphs is False
+    assert (result.path, result.graph_key) == ("eager", None)
+    assert result.reason is not None and "on a host with a GPU" in result.reason
