@@ -118,7 +118,10 @@ class Lockstep:
         torch.manual_seed(seed)
         self.backend: Backend = backends.get(backend)
         self.backend.set_scheduler_seed(seed)
-        self.backend.activate()  # for the twins' life: close() deactivates
+        # For the twins' life (close() leaves it): the backend active, and on sim `torch.cuda`
+        # resolving to it, so plain torch.cuda runners run too.
+        self._scope = backends.target_scope(backend)
+        self._scope.__enter__()
         self.backend.take_races()  # found before this example: not its races
         self._activated = True
         self._factory, self._backend_name, self.seed, self.stats = factory, backend, seed, stats
@@ -153,7 +156,7 @@ class Lockstep:
         self._targets.clear()
         if self._activated:
             self._activated = False
-            self.backend.deactivate()
+            self._scope.__exit__(None, None, None)
 
     def run(self, events: Sequence[Batch | Stress]) -> None:
         """Run `events` and check every step. A step whose stress is `pipelined` forms a pair

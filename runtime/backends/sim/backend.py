@@ -36,6 +36,7 @@ from pytest_graphmode.runtime.backends.sim.device import (
     mark_device,
 )
 from pytest_graphmode.runtime.backends.sim.happens_before import HOST, RaceChecker
+from pytest_graphmode.runtime.backends.sim.limits import check_runnable
 from pytest_graphmode.runtime.backends.sim.pool import SimCapturePool, SimPoolHandle, poison_
 from pytest_graphmode.runtime.backends.sim.streams import (
     SimEvent,
@@ -594,6 +595,7 @@ class SimBackend:
             host, device = [], placing
         if not device:
             return self._host_op(func, args, kwargs, tensors)
+        check_runnable(func)
         if host:
             if func is ops.aten.copy_.default:
                 return self._cross(args, kwargs)
