@@ -110,14 +110,18 @@ class PlainDecodeRunner:
         """Stage `rows` plus padding rows up to `size` on the host, upload them on the copy stream,
         and make the compute stream wait for the upload."""
         self.uploaded.synchronize()  # the previous upload has read the staging rows
-        for i in range(size):
-            values = self._values(rows[i]) if i < len(rows) else self._padding()
-            self.staging[i] = torch.tensor(values, dtype=torch.int64)
+        self._stage(rows, size)
         self.copy_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.copy_stream):
             self.static[:size].copy_(self.staging[:size], non_blocking=True)
             self.uploaded.record()
         torch.cuda.current_stream().wait_event(self.uploaded)
+
+    def _stage(self, rows: Sequence[Row], size: int) -> None:
+        """Write the rows, then padding rows pointing at the null block, into the staging buffer."""
+        for i in range(size):
+            values = self._values(rows[i]) if i < len(rows) else self._padding()
+            self.staging[i] = torch.tensor(values, dtype=torch.int64)
 
     def _values(self, row: Row) -> list[int]:
         table = list(row.table) + [NULL_BLOCK] * (self.shape.max_blocks_per_req - len(row.table))
@@ -136,8 +140,13 @@ class PlainDecodeRunner:
             raise ValueError(f"no decode graph for {len(rows)} rows")
         self._upload(rows, size)
         self.graphs[size].replay()
+        logits, tokens = self._results(size, len(rows))
+        return logits, tokens, size
+
+    def _results(self, size: int, rows: int) -> tuple[Tensor, Tensor]:
+        """The first `rows` rows of the graph's static outputs, copied: the next replay rewrites them."""
         logits, tokens = self.outputs[size]
-        return logits[: len(rows)].clone(), tokens[: len(rows)].clone(), size
+        return logits[:rows].clone(), tokens[:rows].clone()
 
     # -- eager ----------------------------------------------------------------------------------
 
