@@ -58,6 +58,16 @@ def test_manual_seed_seeds_the_sims_draws() -> None:
         assert torch.equal(torch.randn(3, device="cuda"), first)
 
 
+def test_a_generator_on_cuda_draws_on_the_sim() -> None:
+    with drop_in():
+        generator = torch.Generator(device="cuda").manual_seed(7)
+        assert generator.device == torch.device("cuda", 0)
+        drawn = torch.randn(3, device="cuda", generator=generator)
+        assert drawn.is_cuda
+        assert torch.Generator().device == torch.device("cpu")
+    assert torch.equal(drawn, torch.randn(3, generator=torch.Generator().manual_seed(7)))
+
+
 def test_a_capture_through_torch_cuda_graph_replays_on_the_sim() -> None:
     with drop_in():
         x = torch.zeros(4, device="cuda")
@@ -73,12 +83,13 @@ def test_a_capture_through_torch_cuda_graph_replays_on_the_sim() -> None:
 
 
 def test_torch_cuda_is_restored_exactly_after_a_sim_campaign() -> None:
-    before = _torch_cuda()
+    before, generator = _torch_cuda(), torch.Generator
     stats = run_campaign(make_target, backend="sim", max_examples=2, max_steps=4, seed=1)
     assert stats.failures == []
     after = _torch_cuda()
     assert after.keys() == before.keys()
     assert all(after[name] is before[name] for name in before)
+    assert torch.Generator is generator
     assert not is_active()
     assert torch.cuda.is_available() is cuda_available()
 

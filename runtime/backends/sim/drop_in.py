@@ -5,7 +5,8 @@ graph runner calls to the sim's objects: `CUDAGraph` is `SimGraph`, `graph(...)`
 capture, `Stream` / `Event` / `stream` / `current_stream` / `default_stream` / `synchronize` are
 the sim's streams, `is_available()` is True with one device, `cuda:0`. Device placement
 (`device="cuda"`, `.to`, `.cuda()`, `pin_memory=True`, `.pin_memory()`, `.is_pinned()`) is the sim
-device's, active with the backend. On exit every rebound name is put back as it was (the very same
+device's, active with the backend, and `torch.Generator(device="cuda")` makes a `SimGenerator`. On
+exit every rebound name is put back as it was (the very same
 objects), so outside the block torch is exactly as before.
 
 Calls nest (a campaign's twins and its probe each enter it); only the outermost touches `torch.cuda`.
@@ -67,18 +68,40 @@ def drop_in() -> Iterator[SimBackend]:
 
 
 def _install(surface: dict[str, Any]) -> None:
+    _originals["Generator"] = torch.Generator
+    torch.Generator = SimGenerator  # type: ignore[misc]
     for name, replacement in surface.items():
         _originals[name] = torch.cuda.__dict__.get(name, _ABSENT)
         setattr(torch.cuda, name, replacement)
 
 
 def _restore() -> None:
+    torch.Generator = _originals.pop("Generator")  # type: ignore[misc]
     for name, original in _originals.items():
         if original is _ABSENT:
             delattr(torch.cuda, name)
         else:
             setattr(torch.cuda, name, original)
     _originals.clear()
+
+
+class SimGenerator(torch._C.Generator):
+    """`torch.Generator(device="cuda")` on the sim: a CPU generator (the sim's device draws run on
+    the CPU) that reports `cuda:0`. A generator for any other device is torch's own."""
+
+    def __new__(cls, device: Any = "cpu") -> Any:
+        if device is None or not is_sim_device(device):
+            return torch._C.Generator(device if device is not None else "cpu")
+        _one_device(device)
+        return super().__new__(cls, "cpu")
+
+    def __init__(self, device: Any = "cpu") -> None:
+        # Everything was set up in __new__ (torch's generator takes no __init__ arguments).
+        pass
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
 
 
 def _one_device(device: Any = None) -> None:
@@ -258,6 +281,7 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
 __all__ = [
     "SIM_MEMORY",
     "SimDeviceProperties",
+    "SimGenerator",
     "drop_in",
     "is_active",
     "real_cuda_available",
