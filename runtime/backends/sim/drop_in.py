@@ -147,6 +147,23 @@ class _SimDeviceContext:
         return None
 
 
+class SimMemPool:
+    """`torch.cuda.MemPool()` on the sim: `id` is a graph pool handle, to pass as
+    `torch.cuda.graph(..., pool=mem_pool.id)`. Its memory is the graph pool's; allocations made
+    under `torch.cuda.use_mem_pool(pool)` outside a capture are ordinary sim device memory."""
+
+    def __init__(self, allocator: Any = None, *args: Any, **kwargs: Any) -> None:
+        if allocator is not None:
+            raise SimUnsupportedError("torch.cuda.MemPool with a custom allocator")
+        self.id = current_backend().graph_pool_handle()
+
+
+@contextlib.contextmanager
+def _use_mem_pool(pool: SimMemPool, device: Any = None) -> Iterator[None]:
+    _one_device(device)
+    yield
+
+
 class SimDeviceProperties:
     """`torch.cuda.get_device_properties()` on the sim: the fields a runner sizes itself by. Any
     other field is a question about real hardware, and raises."""
@@ -248,6 +265,8 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
         "CUDAGraph": SimGraph,
         "graph": _SimGraphContext,
         "graph_pool_handle": backend.graph_pool_handle,
+        "MemPool": SimMemPool,
+        "use_mem_pool": _use_mem_pool,
         "is_current_stream_capturing": capturing,
         "Stream": SimStream,
         "Event": SimEvent,
@@ -282,6 +301,7 @@ __all__ = [
     "SIM_MEMORY",
     "SimDeviceProperties",
     "SimGenerator",
+    "SimMemPool",
     "drop_in",
     "is_active",
     "real_cuda_available",
