@@ -118,7 +118,7 @@ _LIBRARY.impl("only_cuda", lambda x: x + 1, "CUDA")
 def test_an_op_with_only_a_cuda_kernel_is_refused_by_name() -> None:
     with drop_in():
         x = torch.ones(2, device="cuda")
-        with pytest.raises(SimUnsupportedError, match="only_cuda.*pure-PyTorch runners"):
+        with pytest.raises(SimUnsupportedError, match=r"only_cuda.*pure-PyTorch runners"):
             torch.ops.graphmode_sim_test.only_cuda(x)
 
 
@@ -126,5 +126,5 @@ def test_device_properties_beyond_the_plausible_ones_are_refused() -> None:
     with drop_in():
         properties = torch.cuda.get_device_properties(0)
         assert properties.multi_processor_count > 0
-        with pytest.raises(SimUnsupportedError, match="L2_cache_size.*pure-PyTorch"):
+        with pytest.raises(SimUnsupportedError, match=r"L2_cache_size.*pure-PyTorch"):
             _ = properties.L2_cache_size

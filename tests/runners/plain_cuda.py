@@ -172,7 +172,9 @@ class PlainDecodeRunner:
         offsets = torch.arange(size, device=self.device)
         context = (tables[:, :, None] * size + offsets).flatten(1)  # [T, context] slots
         keys, values = self.k_cache[context], self.v_cache[context]
-        visible = torch.arange(self.shape.context, device=self.device)[None, :] <= positions[:, None]
+        visible = (
+            torch.arange(self.shape.context, device=self.device)[None, :] <= positions[:, None]
+        )
         scores = torch.einsum("thd,tchd->thc", q.view(-1, HEADS, HEAD_DIM), keys)
         probs = (scores / math.sqrt(HEAD_DIM)).masked_fill(~visible[:, None, :], float("-inf"))
         # Masked slots may hold anything: 0 * NaN would leak it.

@@ -245,5 +245,6 @@ _HANDLERS: dict[Any, _Handler] = {
     torch.Tensor.pin_memory: _pin_memory,
     torch.Tensor.is_pinned: _is_pinned,
     torch.Tensor.new_tensor: _new_tensor,
-    torch._C.TensorBase.data.__set__: _set_data,
+    # `x.data = y`: the property's setter, as torch function modes see it
+    torch._C.TensorBase.__dict__["data"].__set__: _set_data,
 }

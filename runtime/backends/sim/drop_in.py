@@ -93,7 +93,8 @@ class SimGenerator(torch._C.Generator):
         if device is None or not is_sim_device(device):
             return torch._C.Generator(device if device is not None else "cpu")
         _one_device(device)
-        return super().__new__(cls, "cpu")
+        base: Any = torch._C.Generator  # its __new__ takes the device; typeshed says object's
+        return base.__new__(cls, "cpu")
 
     def __init__(self, device: Any = "cpu") -> None:
         # Everything was set up in __new__ (torch's generator takes no __init__ arguments).
