@@ -63,3 +63,26 @@ def test_plain_runner_passes_the_harness_on_sim() -> None:
     stats = run_campaign(make_target, backend="sim", max_examples=8, max_steps=8, seed=0)
     assert stats.failures == []
     assert stats.paths["full"] > 0
+
+
+@pytest.mark.graphmode_cuda
+def test_on_a_gpu_the_same_runner_replays_real_graphs_equal_to_eager() -> None:
+    graph = make_target("graph", seed=3, backend="cuda")
+    eager = make_target("eager", seed=3, backend="cuda")
+    assert type(graph.runner.k_cache) is torch.Tensor and graph.runner.k_cache.is_cuda
+    assert isinstance(graph.runner.graphs[4], torch.cuda.CUDAGraph)
+    for target in (graph, eager):
+        target.step(PROMPTS)
+    replayed, expected = graph.step(DECODE), eager.step(DECODE)
+    graph.close()
+    eager.close()
+    assert (replayed.path, replayed.graph_key) == ("full", ("decode", 4))
+    torch.testing.assert_close(replayed.logits, expected.logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(replayed.next_tokens, expected.next_tokens)
+
+
+@pytest.mark.graphmode_cuda
+def test_plain_runner_passes_the_harness_on_a_gpu() -> None:
+    stats = run_campaign(make_target, backend="cuda", max_examples=8, max_steps=8, seed=0)
+    assert stats.failures == []
+    assert stats.paths["full"] > 0
