@@ -128,3 +128,13 @@ def test_device_properties_beyond_the_plausible_ones_are_refused() -> None:
         assert properties.multi_processor_count > 0
         with pytest.raises(SimUnsupportedError, match=r"L2_cache_size.*pure-PyTorch"):
             _ = properties.L2_cache_size
+
+
+def test_a_module_moved_to_cuda_runs_on_the_sim_device() -> None:
+    with drop_in():
+        layer = torch.nn.Linear(3, 4).to("cuda")
+        assert isinstance(layer.weight, torch.nn.Parameter) and layer.weight.is_cuda
+        out = layer(torch.ones(2, 3, device="cuda"))
+        assert out.is_cuda
+        layer.cpu()
+        assert not layer.weight.is_cuda and type(layer.weight) is torch.nn.Parameter
