@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from hypothesis import strategies as st
 
 from pytest_graphmode import Request
@@ -149,15 +150,17 @@ def prepare(
             )
             if start < ctx
         ]
-        decoder.forward(make_inputs(CONFIG, history, device="cpu"), use_adapters=use_adapters)
+        decoder.forward(
+            make_inputs(CONFIG, history, device=decoder.device), use_adapters=use_adapters
+        )
     return make_inputs(
         CONFIG,
         scenario.step_requests(),
-        device="cpu",
+        device=decoder.device,
         num_tokens=scenario.num_tokens + scenario.pad_tokens if num_tokens is None else num_tokens,
         num_reqs=scenario.num_reqs + scenario.pad_reqs if num_reqs is None else num_reqs,
     )
 
 
-def fresh_decoder(seed: int = 0) -> Decoder:
-    return Decoder(CONFIG, seed=seed, device="cpu")
+def fresh_decoder(seed: int = 0, device: torch.device | str = "cpu") -> Decoder:
+    return Decoder(CONFIG, seed=seed, device=device)

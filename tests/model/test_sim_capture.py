@@ -28,15 +28,20 @@ def test_replay_of_a_captured_step_equals_eager(
 def _check_replay_equals_eager(
     sim: Any, captured: Scenario, replayed: Scenario, use_adapters: bool
 ) -> None:
-    decoder = fresh_decoder()
+    decoder = fresh_decoder(device=sim.device)
     num_tokens = max(captured.num_tokens, replayed.num_tokens) + 1
     fresh = prepare(
         decoder, replayed, use_adapters=use_adapters, num_tokens=num_tokens, num_reqs=NUM_REQS
     )
     static = make_inputs(
-        CONFIG, captured.step_requests(), device="cpu", num_tokens=num_tokens, num_reqs=NUM_REQS
+        CONFIG,
+        captured.step_requests(),
+        device=sim.device,
+        num_tokens=num_tokens,
+        num_reqs=NUM_REQS,
     )
-    seeds, temperatures = torch.arange(NUM_REQS) * 7, torch.ones(NUM_REQS)
+    seeds = torch.arange(NUM_REQS, device=sim.device) * 7
+    temperatures = torch.ones(NUM_REQS, device=sim.device)
     graph = sim.Graph()
     with sim.graph(graph):
         logits = decoder.forward(static, use_adapters=use_adapters)
