@@ -182,23 +182,27 @@ def graphmode_twins(
     graphmode_target_factory: TargetFactory,
     graphmode_backend: Backend,  # active while the twins live, as in a campaign
 ) -> Iterator[Twins]:
-    """A graph and an eager target from the configured factory, same seed; closed afterwards."""
+    """A graph and an eager target from the configured factory, same seed; closed afterwards.
+    They live in the backend's target scope (on sim: plain `torch.cuda` resolves to the sim)."""
+    from pytest_graphmode.runtime import backends
+
     settings = settings_of(pytestconfig)
-    graph = graphmode_target_factory("graph", seed=settings.seed, backend=settings.backend)
-    try:
-        eager = graphmode_target_factory("eager", seed=settings.seed, backend=settings.backend)
-    except BaseException:
-        graph.close()
-        raise
-    try:
-        check_target(graph)
-        check_target(eager)
-        yield Twins(graph, eager)
-    finally:
+    with backends.target_scope(settings.backend):
+        graph = graphmode_target_factory("graph", seed=settings.seed, backend=settings.backend)
         try:
+            eager = graphmode_target_factory("eager", seed=settings.seed, backend=settings.backend)
+        except BaseException:
             graph.close()
+            raise
+        try:
+            check_target(graph)
+            check_target(eager)
+            yield Twins(graph, eager)
         finally:
-            eager.close()
+            try:
+                graph.close()
+            finally:
+                eager.close()
 
 
 @pytest.fixture

@@ -83,7 +83,7 @@ def check_twins(factory: TargetFactory, *, seed: int, backend: str) -> None:
 
     # Made as a campaign makes them: with the backend active (on sim a runner that captures while
     # it is built needs torch routed through the sim).
-    with backends.get(backend).active():
+    with backends.target_scope(backend):
         _check_twins(factory, seed=seed, backend=backend)
 
 

@@ -38,7 +38,7 @@ def target_spec(factory: TargetFactory, backend: str) -> TargetSpec:
 
     # Made as a campaign makes its twins: with the backend active (on sim, device tensors exist
     # only while it is).
-    with backends.get(backend).active():
+    with backends.target_scope(backend):
         probe = factory("eager", seed=0, backend=backend)
         try:
             return probe.spec

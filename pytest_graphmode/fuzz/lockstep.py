@@ -130,7 +130,10 @@ class Lockstep:
         torch.manual_seed(seed)
         self.backend: Backend = backends.get(backend)
         self.backend.set_scheduler_seed(seed)
-        self.backend.activate()  # for the twins' life: close() deactivates
+        # For the twins' life (close() leaves it): the backend active, and on sim `torch.cuda`
+        # resolving to it, so plain torch.cuda runners run too.
+        self._scope = backends.target_scope(backend)
+        self._scope.__enter__()
         self.backend.take_races()  # found before this example: not its races
         self._activated = True
         self._factory, self._backend_name, self.seed, self.stats = factory, backend, seed, stats
@@ -178,7 +181,7 @@ class Lockstep:
         self._targets.clear()
         if self._activated:
             self._activated = False
-            self.backend.deactivate()
+            self._scope.__exit__(None, None, None)
 
     def reset(self, seed: int) -> None:
         """Start the next example on these twins, with `seed` (see `Reset`)."""

@@ -34,16 +34,16 @@ class HFTarget:
             raise ValueError(f"mode={mode!r} must be 'graph' or 'eager'")
         self.mode = mode
         device = backends.get(backend).device
-        # transformers decides on graphs from torch.cuda alone: on a GPU host it would capture a
-        # model the sim placed on the CPU. There the graphs are left off by the adapter; without
-        # a GPU transformers turns them off itself, and says so.
-        self._graphs_withheld = device.type == "cpu" and backends.cuda_available()
-        self.engine = Engine(
-            config,
-            seed=seed,
-            graphs=mode == "graph" and not self._graphs_withheld,
-            device=device,
-        )
+        # transformers decides on graphs from torch.cuda alone and calls torch.cuda itself: on sim
+        # the target lives in the drop-in, so it sees the simulated GPU and captures and replays
+        # its graphs there, on a host with a GPU or without one. close() leaves it.
+        self._scope = backends.target_scope(backend)
+        self._scope.__enter__()
+        try:
+            self.engine = Engine(config, seed=seed, graphs=mode == "graph", device=device)
+        except BaseException:
+            self._scope.__exit__(None, None, None)
+            raise
         # transformers' two trash blocks follow its own: the harness sees them as the last two
         # blocks, the write trash as the null block. The read trash may be handed to a request:
         # padding reads it under a mask, which needs it finite, as written KV is.
@@ -80,15 +80,9 @@ class HFTarget:
     def _eager_reason(self) -> str | None:
         if self.mode == "eager":
             return None
-        if self._graphs_withheld:
-            return (
-                "the model runs on the CPU (sim) on a host with a GPU: transformers' CUDA graphs "
-                "would capture CPU tensors, so they are off"
-            )
-        return (
-            "transformers switched its CUDA graphs off: torch.cuda.is_available() is False "
-            "where the engine was built"
-        )
+        if not self.engine.graphs:
+            return "transformers switched its CUDA graphs off: torch.cuda.is_available() is False"
+        return "transformers ran this batch without a graph"
 
     def state(self) -> Mapping[str, Tensor]:
         tensors = self.engine.kv_tensors()
@@ -115,7 +109,10 @@ class HFTarget:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.engine.close()
+            try:
+                self.engine.close()
+            finally:
+                self._scope.__exit__(None, None, None)
 
 
 def _blocks_per_request(config: EngineConfig) -> int:

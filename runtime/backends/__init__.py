@@ -9,10 +9,14 @@ present. The surface (names and semantics as in torch.cuda): `Graph`, `graph(g, 
 and `active()` / `activate()` / `deactivate()` / `is_active`: a backend changes nothing in the process
 until activated (on sim: torch is routed through its dispatch mode while any activation is open, and
 restored exactly when the last ends; no-ops on cuda). Targets and the harness activate it themselves.
+`target_scope(name)` is what the harness makes targets in: on sim it adds the drop-in, which makes
+plain `torch.cuda` resolve to the sim (docs/backends.md, "Drop-in").
 `Backend` is that surface as a typed protocol: annotate a runner's backend with it.
 """
 
 from __future__ import annotations
+
+from contextlib import AbstractContextManager
 
 from pytest_graphmode.runtime.backends.errors import (
     CaptureError,
@@ -32,9 +36,20 @@ _instances: dict[str, Backend] = {}
 
 
 def cuda_available() -> bool:
-    import torch
+    """Whether the host has a GPU (the sim's drop-in, which makes `torch.cuda` say so, aside)."""
+    from pytest_graphmode.runtime.backends.sim.drop_in import real_cuda_available
 
-    return torch.cuda.is_available()
+    return real_cuda_available()
+
+
+def target_scope(name: str) -> AbstractContextManager[Backend]:
+    """What a target lives in: backend `name` active, and on sim the drop-in (`torch.cuda` resolving
+    to the sim), so a runner written against plain `torch.cuda` runs unchanged on either."""
+    if resolve(name) == "sim":
+        from pytest_graphmode.runtime.backends.sim import drop_in
+
+        return drop_in()
+    return get(name).active()
 
 
 def resolve(name: str) -> str:
@@ -75,4 +90,5 @@ __all__ = [
     "cuda_available",
     "get",
     "resolve",
+    "target_scope",
 ]

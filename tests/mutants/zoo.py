@@ -30,6 +30,9 @@ MODULES = (
     "sampling_outside_capture",
     "piecewise_fresh_output",
     "piecewise_out_of_order",
+    "plain_padding_stale",
+    "plain_output_view",
+    "plain_weights_rebound",
 )
 
 

@@ -36,6 +36,7 @@ from pytest_graphmode.runtime.backends.sim.device import (
     mark_device,
 )
 from pytest_graphmode.runtime.backends.sim.happens_before import HOST, RaceChecker
+from pytest_graphmode.runtime.backends.sim.limits import check_runnable
 from pytest_graphmode.runtime.backends.sim.pool import SimCapturePool, SimPoolHandle, poison_
 from pytest_graphmode.runtime.backends.sim.streams import (
     SimEvent,
@@ -588,12 +589,13 @@ class SimBackend:
         tensors = _tensors(args, kwargs)
         placing = self._placing
         if placing is None:
-            host = [t for t in tensors if type(t) is not SimDeviceTensor]
+            host = [t for t in tensors if not isinstance(t, SimDeviceTensor)]
             device = len(host) < len(tensors)
         else:
             host, device = [], placing
         if not device:
             return self._host_op(func, args, kwargs, tensors)
+        check_runnable(func)
         if host:
             if func is ops.aten.copy_.default:
                 return self._cross(args, kwargs)
@@ -617,7 +619,7 @@ class SimBackend:
         with pinned memory is asynchronous, and only it can be captured."""
         dst, src = args[0], args[1]
         non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
-        upload = type(dst) is SimDeviceTensor
+        upload = isinstance(dst, SimDeviceTensor)
         pinned = self.is_pinned(src if upload else dst)
         stream = self._current
         active = self._active
@@ -745,7 +747,7 @@ def _check_host_operands(func: Any, host: list[torch.Tensor]) -> None:
 def _baked(x: Any) -> Any:
     """A 0-dim host tensor argument as it is now: queued work reads the value it was issued with."""
     if isinstance(x, torch.Tensor):
-        return x if type(x) is SimDeviceTensor else x.clone()
+        return x if isinstance(x, SimDeviceTensor) else x.clone()
     if isinstance(x, list | tuple):
         return type(x)(_baked(i) for i in x)
     return x
@@ -780,7 +782,7 @@ def _patch_tolist(backend: SimBackend) -> Callable[..., Any]:
 
     def tolist(self: torch.Tensor) -> Any:
         if not backend._passthrough:
-            if type(self) is SimDeviceTensor:
+            if isinstance(self, SimDeviceTensor):
                 backend.host_read("Tensor.tolist()", self)
             elif backend.is_pinned(self):
                 # Pinned memory is host memory: reading it waits for nothing, as on a GPU,

@@ -262,7 +262,7 @@ class Capture:
 
     def _template(self, x: Any, bake: bool) -> Any:
         if isinstance(x, torch.Tensor):
-            if bake and type(x) is not SimDeviceTensor:
+            if bake and not isinstance(x, SimDeviceTensor):
                 slot = self._new_slot(x.clone())
                 self._owned.add(slot)
                 return Ref(slot)

@@ -10,7 +10,8 @@ Python calls that name a device never reach the dispatcher with it: torch's argu
 initialise CUDA (and fail without it) before any dispatch mode is asked. `DeviceMode`, a
 `TorchFunctionMode` entered and left with the sim's activation, sees them first and rewrites them:
 factories with `device=` the sim device, `torch.tensor(data, device=)` (an upload from the host),
-`.to(...)`, `.cuda()`, `.cpu()`, `pin_memory=True`, `.pin_memory()` and `.is_pinned()`. Crossings
+`.to(...)`, `.cuda()`, `.cpu()`, `pin_memory=True`, `.pin_memory()`, `.is_pinned()`, and `x.data = y`
+(how `nn.Module.to` moves a parameter: it becomes a `SimDeviceParameter`). Crossings
 between host and device become a fresh tensor on the other side and a `copy_` into it, so the
 dispatch mode judges every crossing in one place (`SimBackend._cross`).
 """
@@ -52,6 +53,10 @@ class SimDeviceTensor(torch.Tensor):
 
     def get_device(self) -> int:
         return 0
+
+
+class SimDeviceParameter(SimDeviceTensor, torch.nn.Parameter):
+    """A module's parameter moved to the simulated GPU (`module.to("cuda")` sets its `.data`)."""
 
 
 def on_device(t: torch.Tensor) -> bool:
@@ -218,6 +223,19 @@ def _new_tensor(
     return _factory(backend, torch.tensor, args[1:], kwargs)
 
 
+def _set_data(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # `x.data = y` keeps x's Python object (nn.Module.to moves parameters so): x takes y's side.
+    target, value = args
+    func(target, value)
+    device = on_device(value)
+    if isinstance(target, torch.nn.Parameter) and type(target) in _PARAMETER_CLASSES:
+        target.__class__ = SimDeviceParameter if device else torch.nn.Parameter
+    elif type(target) in (torch.Tensor, SimDeviceTensor):
+        target.__class__ = SimDeviceTensor if device else torch.Tensor
+    return None
+
+
+_PARAMETER_CLASSES = (torch.nn.Parameter, SimDeviceParameter)
 _UPLOADS = {torch.tensor, torch.as_tensor, torch.asarray}
 
 _HANDLERS: dict[Any, _Handler] = {
@@ -227,4 +245,6 @@ _HANDLERS: dict[Any, _Handler] = {
     torch.Tensor.pin_memory: _pin_memory,
     torch.Tensor.is_pinned: _is_pinned,
     torch.Tensor.new_tensor: _new_tensor,
+    # `x.data = y`: the property's setter, as torch function modes see it
+    torch._C.TensorBase.__dict__["data"].__set__: _set_data,
 }

@@ -1,0 +1,309 @@
+"""Drop-in: plain `torch.cuda` on the sim, for runners that never heard of this package.
+
+`drop_in()` activates the sim backend and, for the duration, rebinds the names of `torch.cuda` a
+graph runner calls to the sim's objects: `CUDAGraph` is `SimGraph`, `graph(...)` is the sim's
+capture, `Stream` / `Event` / `stream` / `current_stream` / `default_stream` / `synchronize` are
+the sim's streams, `is_available()` is True with one device, `cuda:0`. Device placement
+(`device="cuda"`, `.to`, `.cuda()`, `pin_memory=True`, `.pin_memory()`, `.is_pinned()`) is the sim
+device's, active with the backend, and `torch.Generator(device="cuda")` makes a `SimGenerator`. On
+exit every rebound name is put back as it was (the very same
+objects), so outside the block torch is exactly as before.
+
+Calls nest (a campaign's twins and its probe each enter it); only the outermost touches `torch.cuda`.
+What the sim cannot run fails at first use with `SimUnsupportedError`, which names the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from pytest_graphmode.runtime.backends.sim.backend import SimBackend, SimGraph, current_backend
+from pytest_graphmode.runtime.backends.sim.device import is_sim_device
+from pytest_graphmode.runtime.backends.sim.limits import SimUnsupportedError
+from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream
+
+SIM_MEMORY = 8 << 30
+"""The device memory the drop-in reports (`mem_get_info`, `get_device_properties`), in bytes. The
+sim does not account device memory: a runner that sizes its KV cache from free memory gets this
+much, as plain host memory."""
+
+_ABSENT = object()
+_depth = 0
+_originals: dict[str, Any] = {}
+
+
+def is_active() -> bool:
+    """Whether `torch.cuda` is rebound to the sim now."""
+    return _depth > 0
+
+
+def real_cuda_available() -> bool:
+    """`torch.cuda.is_available()` of the host, whether or not the drop-in is active."""
+    original = _originals.get("is_available", torch.cuda.is_available)
+    return bool(original())
+
+
+@contextlib.contextmanager
+def drop_in() -> Iterator[SimBackend]:
+    """Run the block with the sim active and `torch.cuda` resolving to it (module docstring)."""
+    global _depth
+    backend = current_backend()
+    backend.activate()
+    try:
+        if _depth == 0:
+            _install(_surface(backend))
+        _depth += 1
+        try:
+            yield backend
+        finally:
+            _depth -= 1
+            if _depth == 0:
+                _restore()
+    finally:
+        backend.deactivate()
+
+
+def _install(surface: dict[str, Any]) -> None:
+    _originals["Generator"] = torch.Generator
+    torch.Generator = SimGenerator  # type: ignore[misc]
+    for name, replacement in surface.items():
+        _originals[name] = torch.cuda.__dict__.get(name, _ABSENT)
+        setattr(torch.cuda, name, replacement)
+
+
+def _restore() -> None:
+    torch.Generator = _originals.pop("Generator")  # type: ignore[misc]
+    for name, original in _originals.items():
+        if original is _ABSENT:
+            delattr(torch.cuda, name)
+        else:
+            setattr(torch.cuda, name, original)
+    _originals.clear()
+
+
+class SimGenerator(torch._C.Generator):
+    """`torch.Generator(device="cuda")` on the sim: a CPU generator (the sim's device draws run on
+    the CPU) that reports `cuda:0`. A generator for any other device is torch's own."""
+
+    def __new__(cls, device: Any = "cpu") -> Any:
+        if device is None or not is_sim_device(device):
+            return torch._C.Generator(device if device is not None else "cpu")
+        _one_device(device)
+        base: Any = torch._C.Generator  # its __new__ takes the device; typeshed says object's
+        return base.__new__(cls, "cpu")
+
+    def __init__(self, device: Any = "cpu") -> None:
+        # Everything was set up in __new__ (torch's generator takes no __init__ arguments).
+        pass
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+
+def _one_device(device: Any = None) -> None:
+    """Accept the sim's only device (None, 0, "cuda", "cuda:0", a torch.device of it)."""
+    if device is None:
+        return
+    if isinstance(device, SimStream | SimEvent):
+        return
+    index = device if isinstance(device, int) else torch.device(device).index
+    if not is_sim_device(device) or index not in (None, 0):
+        raise ValueError(f"the sim has one device, cuda:0; got {device!r}")
+
+
+class _SimGraphContext:
+    """`torch.cuda.graph(g, pool=, stream=, capture_error_mode=)` on the sim."""
+
+    def __init__(
+        self,
+        cuda_graph: SimGraph,
+        pool: Any = None,
+        stream: SimStream | None = None,
+        capture_error_mode: str = "global",
+    ) -> None:
+        self._context = current_backend().graph(cuda_graph, pool, stream, capture_error_mode)
+
+    def __enter__(self) -> SimGraph:
+        return self._context.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._context.__exit__(*exc)
+
+
+class _SimDeviceContext:
+    """`torch.cuda.device(d)`: the sim has one device, so selecting it changes nothing."""
+
+    def __init__(self, device: Any) -> None:
+        _one_device(device)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class SimMemPool:
+    """`torch.cuda.MemPool()` on the sim: `id` is a graph pool handle, to pass as
+    `torch.cuda.graph(..., pool=mem_pool.id)`. Its memory is the graph pool's; allocations made
+    under `torch.cuda.use_mem_pool(pool)` outside a capture are ordinary sim device memory."""
+
+    def __init__(self, allocator: Any = None, *args: Any, **kwargs: Any) -> None:
+        if allocator is not None:
+            raise SimUnsupportedError("torch.cuda.MemPool with a custom allocator")
+        self.id = current_backend().graph_pool_handle()
+
+
+@contextlib.contextmanager
+def _use_mem_pool(pool: SimMemPool, device: Any = None) -> Iterator[None]:
+    _one_device(device)
+    yield
+
+
+class SimDeviceProperties:
+    """`torch.cuda.get_device_properties()` on the sim: the fields a runner sizes itself by. Any
+    other field is a question about real hardware, and raises."""
+
+    name = "pytest-graphmode sim"
+    major, minor = 9, 0
+    total_memory = SIM_MEMORY
+    multi_processor_count = 132
+    is_integrated = False
+    is_multi_gpu_board = False
+
+    def __getattr__(self, field: str) -> Any:
+        raise SimUnsupportedError(f"torch.cuda.get_device_properties().{field}")
+
+    def __repr__(self) -> str:
+        return f"SimDeviceProperties(name={self.name!r}, total_memory={self.total_memory})"
+
+
+def _memory_stats(device: Any = None) -> dict[str, int]:
+    _one_device(device)
+    return {
+        "allocated_bytes.all.current": 0,
+        "allocated_bytes.all.peak": 0,
+        "reserved_bytes.all.current": 0,
+        "reserved_bytes.all.peak": 0,
+        "num_alloc_retries": 0,
+        "num_ooms": 0,
+    }
+
+
+def _zero(device: Any = None) -> int:
+    _one_device(device)
+    return 0
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _surface(backend: SimBackend) -> dict[str, Any]:
+    def stream_on(device: Any = None) -> SimStream:
+        _one_device(device)
+        return backend.current_stream()
+
+    def default_on(device: Any = None) -> SimStream:
+        _one_device(device)
+        return backend.default_stream()
+
+    def synchronize(device: Any = None) -> None:
+        _one_device(device)
+        backend.synchronize()
+
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        _one_device(device)
+        return SIM_MEMORY, SIM_MEMORY
+
+    def properties(device: Any = None) -> SimDeviceProperties:
+        _one_device(device)
+        return SimDeviceProperties()
+
+    def device_name(device: Any = None) -> str:
+        _one_device(device)
+        return SimDeviceProperties.name
+
+    def capability(device: Any = None) -> tuple[int, int]:
+        _one_device(device)
+        return SimDeviceProperties.major, SimDeviceProperties.minor
+
+    def set_device(device: Any) -> None:
+        _one_device(device)
+
+    def capturing() -> bool:
+        return backend._active is not None
+
+    # The sim's device draws come from torch's global (CPU) generator: seeding "the GPU" seeds it.
+    # (Directly: torch.manual_seed itself calls torch.cuda.manual_seed_all.)
+    def manual_seed(seed: int) -> None:
+        torch.default_generator.manual_seed(seed)
+
+    def rng_state(device: Any = "cuda") -> torch.Tensor:
+        _one_device(device)
+        return torch.get_rng_state()
+
+    def set_rng_state(state: torch.Tensor, device: Any = "cuda") -> None:
+        _one_device(device)
+        torch.set_rng_state(state)
+
+    surface: dict[str, Callable[..., Any] | type] = {
+        "is_available": lambda: True,
+        "is_initialized": lambda: True,
+        "init": _nothing,
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "set_device": set_device,
+        "device": _SimDeviceContext,
+        "get_device_name": device_name,
+        "get_device_capability": capability,
+        "get_device_properties": properties,
+        "CUDAGraph": SimGraph,
+        "graph": _SimGraphContext,
+        "graph_pool_handle": backend.graph_pool_handle,
+        "MemPool": SimMemPool,
+        "use_mem_pool": _use_mem_pool,
+        "is_current_stream_capturing": capturing,
+        "Stream": SimStream,
+        "Event": SimEvent,
+        "stream": backend.stream,
+        "current_stream": stream_on,
+        "default_stream": default_on,
+        "synchronize": synchronize,
+        "empty_cache": _nothing,
+        "mem_get_info": mem_get_info,
+        "memory_stats": _memory_stats,
+        "memory_allocated": _zero,
+        "max_memory_allocated": _zero,
+        "memory_reserved": _zero,
+        "max_memory_reserved": _zero,
+        "reset_peak_memory_stats": _nothing,
+        "reset_max_memory_allocated": _nothing,
+        "reset_accumulated_memory_stats": _nothing,
+        "manual_seed": manual_seed,
+        "manual_seed_all": manual_seed,
+        "seed": torch.seed,
+        "seed_all": torch.seed,
+        "initial_seed": torch.initial_seed,
+        "get_rng_state": rng_state,
+        "set_rng_state": set_rng_state,
+        "get_rng_state_all": lambda: [torch.get_rng_state()],
+        "set_rng_state_all": lambda states: torch.set_rng_state(states[0]),
+    }
+    return surface
+
+
+__all__ = [
+    "SIM_MEMORY",
+    "SimDeviceProperties",
+    "SimGenerator",
+    "SimMemPool",
+    "drop_in",
+    "is_active",
+    "real_cuda_available",
+]

@@ -1,0 +1,46 @@
+"""What the sim cannot run, refused at first use rather than computed wrongly.
+
+The sim runs a device operation as the CPU kernel of the same ATen operator. An operator with a
+CUDA kernel and no CPU or composite one (a custom CUDA extension, an op registered with
+`torch.library` for CUDA only) has nothing the sim could run; neither has a question about the real
+hardware (driver calls, device properties beyond the plausible ones the drop-in gives).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class SimUnsupportedError(RuntimeError):
+    """A call the sim cannot run; the message names it."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"{what} cannot run on the sim: the sim runs pure-PyTorch runners (ATen operators with "
+            "a CPU kernel), not custom CUDA extensions, Triton kernels or the CUDA driver; run "
+            "this on a GPU (--graphmode-backend=cuda)"
+        )
+
+
+# Dispatch keys under which an operator has a kernel the sim can run on CPU storage.
+_RUNNABLE_KEYS = (
+    "CPU",
+    "CompositeExplicitAutograd",
+    "CompositeExplicitAutogradNonFunctional",
+    "CompositeImplicitAutograd",
+)
+_runnable: dict[Any, bool] = {}
+
+
+def check_runnable(func: Any) -> None:
+    """Raise `SimUnsupportedError` for an operator only a GPU can run (decided once per op)."""
+    known = _runnable.get(func)
+    if known is None:
+        name = func.name()
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        known = not has(name, "CUDA") or any(has(name, key) for key in _RUNNABLE_KEYS)
+        _runnable[func] = known
+    if not known:
+        raise SimUnsupportedError(f"operator {func.name()} (it has a CUDA kernel only)")

@@ -1,0 +1,140 @@
+"""The drop-in: plain torch.cuda resolves to the sim inside `drop_in()`, torch is exactly restored
+after it, and what the sim cannot run is refused by name."""
+
+import pytest
+import torch
+
+from pytest_graphmode.fuzz import run_campaign
+from pytest_graphmode.runtime.backends import cuda_available
+from pytest_graphmode.runtime.backends.sim import (
+    SimEvent,
+    SimGraph,
+    SimStream,
+    SimUnsupportedError,
+    drop_in,
+)
+from pytest_graphmode.runtime.backends.sim.drop_in import SIM_MEMORY, is_active
+from tests.runners.plain_target import make_target
+
+
+def _torch_cuda() -> dict[str, object]:
+    return dict(vars(torch.cuda))
+
+
+def test_torch_cuda_names_resolve_to_the_sim_inside() -> None:
+    with drop_in() as backend:
+        assert is_active()
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 1
+        assert torch.cuda.current_device() == 0
+        torch.cuda.set_device(0)
+        torch.cuda.set_device("cuda:0")
+        assert isinstance(torch.cuda.CUDAGraph(), SimGraph)
+        assert isinstance(torch.cuda.Stream(), SimStream)
+        assert isinstance(torch.cuda.Event(enable_timing=True), SimEvent)
+        assert torch.cuda.current_stream() is backend.current_stream()
+        assert torch.cuda.default_stream() is backend.default_stream()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            assert torch.cuda.current_stream() is side
+        free, total = torch.cuda.mem_get_info()
+        assert free <= total == SIM_MEMORY == torch.cuda.get_device_properties(0).total_memory
+        allocated = torch.cuda.memory_allocated()
+        assert 0 <= allocated <= torch.cuda.max_memory_allocated() <= torch.cuda.memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+
+
+def test_another_device_is_refused() -> None:
+    with drop_in(), pytest.raises(ValueError, match="one device, cuda:0"):
+        torch.cuda.set_device(1)
+
+
+def test_manual_seed_seeds_the_sims_draws() -> None:
+    with drop_in():
+        torch.cuda.manual_seed(5)
+        first = torch.randn(3, device="cuda")
+        torch.cuda.manual_seed_all(5)
+        assert torch.equal(torch.randn(3, device="cuda"), first)
+
+
+def test_a_generator_on_cuda_draws_on_the_sim() -> None:
+    with drop_in():
+        generator = torch.Generator(device="cuda").manual_seed(7)
+        assert generator.device == torch.device("cuda", 0)
+        drawn = torch.randn(3, device="cuda", generator=generator)
+        assert drawn.is_cuda
+        assert torch.Generator().device == torch.device("cpu")
+    assert torch.equal(drawn, torch.randn(3, generator=torch.Generator().manual_seed(7)))
+
+
+def test_a_capture_through_torch_cuda_graph_replays_on_the_sim() -> None:
+    with drop_in():
+        x = torch.zeros(4, device="cuda")
+        y = x * 2  # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+            assert torch.cuda.is_current_stream_capturing()
+            y = x * 2 + 1
+        x.copy_(torch.arange(4.0, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert y.tolist() == [1.0, 3.0, 5.0, 7.0]
+
+
+def test_torch_cuda_is_restored_exactly_after_a_sim_campaign() -> None:
+    before, generator = _torch_cuda(), torch.Generator
+    stats = run_campaign(make_target, backend="sim", max_examples=2, max_steps=4, seed=1)
+    assert stats.failures == []
+    after = _torch_cuda()
+    assert after.keys() == before.keys()
+    assert all(after[name] is before[name] for name in before)
+    assert torch.Generator is generator
+    assert not is_active()
+    assert torch.cuda.is_available() is cuda_available()
+
+
+def test_nested_drop_ins_restore_only_at_the_outermost() -> None:
+    original = torch.cuda.CUDAGraph
+    with drop_in():
+        with drop_in():
+            pass
+        assert torch.cuda.CUDAGraph is SimGraph
+    assert torch.cuda.CUDAGraph is original
+
+
+@pytest.mark.skipif(cuda_available(), reason="a CPU-only host's answer")
+def test_without_a_gpu_is_available_is_false_again() -> None:
+    with drop_in():
+        assert torch.cuda.is_available()
+    assert not torch.cuda.is_available()
+
+
+_LIBRARY = torch.library.Library("graphmode_sim_test", "DEF")
+_LIBRARY.define("only_cuda(Tensor x) -> Tensor")
+_LIBRARY.impl("only_cuda", lambda x: x + 1, "CUDA")
+
+
+def test_an_op_with_only_a_cuda_kernel_is_refused_by_name() -> None:
+    with drop_in():
+        x = torch.ones(2, device="cuda")
+        with pytest.raises(SimUnsupportedError, match=r"only_cuda.*pure-PyTorch runners"):
+            torch.ops.graphmode_sim_test.only_cuda(x)
+
+
+def test_device_properties_beyond_the_plausible_ones_are_refused() -> None:
+    with drop_in():
+        properties = torch.cuda.get_device_properties(0)
+        assert properties.multi_processor_count > 0
+        with pytest.raises(SimUnsupportedError, match=r"L2_cache_size.*pure-PyTorch"):
+            _ = properties.L2_cache_size
+
+
+def test_a_module_moved_to_cuda_runs_on_the_sim_device() -> None:
+    with drop_in():
+        layer = torch.nn.Linear(3, 4).to("cuda")
+        assert isinstance(layer.weight, torch.nn.Parameter) and layer.weight.is_cuda
+        out = layer(torch.ones(2, 3, device="cuda"))
+        assert out.is_cuda
+        layer.cpu()
+        assert not layer.weight.is_cuda and type(layer.weight) is torch.nn.Parameter
