@@ -32,11 +32,16 @@ def be() -> Iterator[Backend]:
     backend.synchronize()
 
 
+def _staged(be, value):
+    """A pinned staging buffer filled with `value` and a zeroed device buffer of the same size."""
+    staging = be.empty_pinned(WORDS)
+    staging.fill_(value)
+    return staging, torch.zeros(WORDS, device=be.device)
+
+
 def test_a_staging_buffer_rewritten_before_its_upload_on_a_copy_stream_ran_is_read_late(be):
     copy_stream = be.Stream()
-    staging = be.empty_pinned(WORDS)
-    staging.fill_(1.0)
-    device = torch.zeros(WORDS, device=be.device)
+    staging, device = _staged(be, 1.0)
     with delayed_streams(CYCLES):
         with be.stream(copy_stream):
             device.copy_(staging, non_blocking=True)
@@ -47,9 +52,7 @@ def test_a_staging_buffer_rewritten_before_its_upload_on_a_copy_stream_ran_is_re
 
 def test_a_staging_buffer_rewritten_after_waiting_for_the_copy_event_stays_correct(be):
     copy_stream = be.Stream()
-    staging = be.empty_pinned(WORDS)
-    staging.fill_(1.0)
-    device = torch.zeros(WORDS, device=be.device)
+    staging, device = _staged(be, 1.0)
     with delayed_streams(CYCLES):
         with be.stream(copy_stream):
             device.copy_(staging, non_blocking=True)
@@ -64,9 +67,7 @@ def test_a_staging_buffer_rewritten_after_waiting_for_the_copy_event_stays_corre
 
 def test_a_replay_not_waiting_for_the_copy_stream_reads_the_old_contents(be):
     copy_stream = be.Stream()
-    staging = be.empty_pinned(WORDS)
-    staging.fill_(5.0)
-    device = torch.zeros(WORDS, device=be.device)
+    staging, device = _staged(be, 5.0)
     with delayed_streams(CYCLES):
         with be.stream(copy_stream):
             device.copy_(staging, non_blocking=True)
