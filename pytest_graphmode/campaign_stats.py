@@ -39,7 +39,9 @@ class CampaignStats:
     shrink_seconds: float = 0.0
     shrink_budget_seconds: float | None = None  # None: unbounded
     shrink_stopped_by_budget: bool = False
-    planned_examples: int = 0  # the example budget, for "N of M"
+    planned_examples: int = 0  # the example budget, for "N of M" (0: a time budget instead)
+    time_budget_seconds: float | None = None  # no new example after this long (None: no limit)
+    stopped_by_time_budget: bool = False
 
     def merge(self, other: CampaignStats) -> CampaignStats:
         """A new object holding both campaigns' counts (neither input changes)."""
@@ -63,6 +65,8 @@ class CampaignStats:
             shrink_stopped_by_budget=self.shrink_stopped_by_budget
             or other.shrink_stopped_by_budget,
             planned_examples=self.planned_examples + other.planned_examples,
+            time_budget_seconds=_first_set(self.time_budget_seconds, other.time_budget_seconds),
+            stopped_by_time_budget=self.stopped_by_time_budget or other.stopped_by_time_budget,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -81,6 +85,8 @@ class CampaignStats:
             "shrink_budget_seconds": self.shrink_budget_seconds,
             "shrink_stopped_by_budget": self.shrink_stopped_by_budget,
             "planned_examples": self.planned_examples,
+            "time_budget_seconds": self.time_budget_seconds,
+            "stopped_by_time_budget": self.stopped_by_time_budget,
         }
 
     @classmethod
@@ -112,6 +118,8 @@ class CampaignStats:
             shrink_budget_seconds=_optional(data.get("shrink_budget_seconds"), float),
             shrink_stopped_by_budget=bool(data.get("shrink_stopped_by_budget", False)),
             planned_examples=int(data.get("planned_examples", 0)),
+            time_budget_seconds=_optional(data.get("time_budget_seconds"), float),
+            stopped_by_time_budget=bool(data.get("stopped_by_time_budget", False)),
         )
 
     def update_from(self, other: CampaignStats) -> None:

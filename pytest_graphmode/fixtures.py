@@ -44,7 +44,8 @@ class GraphmodeFuzz:
     stock campaign, adds it to the session summary and raises `GraphmodeFailure` on a failed check.
 
     Options left out come from the run's options; `settings` (Hypothesis settings) replaces the
-    profile's entirely, as in `run_campaign`.
+    profile's entirely, as in `run_campaign`. The time budget `seconds` (see `run_campaign`) comes
+    from the run's options too, unless `max_examples` or `settings` asks for a count.
     """
 
     def __init__(self, config: pytest.Config) -> None:
@@ -61,6 +62,7 @@ class GraphmodeFuzz:
         features: frozenset[str] | None = None,
         settings: HypothesisSettings | None = None,
         label: str = "campaign",
+        seconds: float | None = None,
     ) -> CampaignStats:
         from pytest_graphmode.fuzz import run_campaign
         from pytest_graphmode.fuzz.isolation import can_isolate, run_isolated
@@ -71,7 +73,9 @@ class GraphmodeFuzz:
             pytest.skip(f"graphmode: skipped after the failure of an earlier campaign: {earlier}")
         run = settings_of(self._config)
         examples = run.examples if max_examples is None else max_examples
-        progress = progress_line(self._config, label, planned=examples)
+        if seconds is None and max_examples is None and settings is None:
+            seconds = run.seconds
+        progress = progress_line(self._config, label, planned=None if seconds else examples)
         announce = self._failure_announcement(label, run.shrink_seconds)
         stats = CampaignStats()
         backend_name = resolve_backend(backend) if backend else run.backend
@@ -87,6 +91,7 @@ class GraphmodeFuzz:
             campaign = functools.partial(run_rank_campaign, ranks=run.ranks)
         else:
             campaign = functools.partial(campaign, shrink_seconds=run.shrink_seconds)
+        campaign = functools.partial(campaign, seconds=seconds)
 
         def on_progress(current: CampaignStats) -> None:
             announce(current)

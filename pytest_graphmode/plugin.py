@@ -122,7 +122,12 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return (
         f"graphmode: backend={settings.backend}{asked} target={settings.target} "
         f"seed={settings.seed} ({seed_origin}) profile={settings.profile} "
-        f"examples={settings.examples} steps={settings.steps}"
+        + (
+            f"examples<={settings.examples} seconds={settings.seconds:g}"
+            if settings.seconds
+            else f"examples={settings.examples}"
+        )
+        + f" steps={settings.steps}"
         + (f" ranks={settings.ranks}" if settings.ranks > 1 else "")
     )
 
@@ -271,6 +276,7 @@ def _run_facts(settings: GraphmodeSettings) -> dict[str, Any]:
         "profile": settings.profile,
         "seed": settings.seed,
         "examples_per_campaign": settings.examples,
+        "seconds_per_campaign": settings.seconds,
         "steps_per_example": settings.steps,
         "ranks": settings.ranks,
         "shrink_seconds": settings.shrink_seconds,

@@ -197,6 +197,9 @@ class ProgressLine:
         # The engine's newer fields are read with defaults: older engines lack them.
         planned = getattr(stats, "planned_examples", 0) or self._planned
         of = f" of {planned}" if planned else ""
+        budget = getattr(stats, "time_budget_seconds", None)
+        if budget and not planned:
+            of = f" in a {budget:g} s budget"
         failures = len(stats.failures)
         text = f"example {stats.examples}{of}, {stats.steps} steps, {failures} failures"
         found_at = getattr(stats, "first_failure_example", None)

@@ -25,10 +25,31 @@ if TYPE_CHECKING:
     import hypothesis
 
 BACKENDS = ("auto", "sim", "cuda")
-# (examples, steps per example) of each profile; --graphmode-examples/-steps override them. dev, the
-# default, is sized by time: the built-in suite's three sim campaigns of a correct runner take
-# about a minute on a 2-core machine (docs/ci.md).
-PROFILES = {"dev": (10, 8), "ci": (50, 12), "nightly": (500, 24)}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How long each campaign runs: at most `examples` examples of up to `steps` steps, and with
+    `seconds`, no new example once that many seconds have passed."""
+
+    examples: int
+    steps: int
+    seconds: float | None = None
+
+    def describe(self) -> str:
+        if self.seconds is not None:
+            return f"examples for {self.seconds:g} s of up to {self.steps} steps"
+        return f"{self.examples} examples of up to {self.steps} steps"
+
+
+# --graphmode-examples/-steps/-seconds override them. dev, the default, is sized by time rather than
+# by count, so that it runs as many examples as the machine and the target allow: the built-in
+# suite's three sim campaigns take about a minute (docs/ci.md). Its example count only caps it.
+PROFILES = {
+    "dev": Profile(examples=10_000, steps=8, seconds=20.0),
+    "ci": Profile(examples=50, steps=12),
+    "nightly": Profile(examples=500, steps=24),
+}
 DEFAULT_SHRINK_SECONDS = 20.0
 ISOLATE = ("auto", "on", "off")
 WORKER_SEED = "graphmode_seed"
@@ -49,12 +70,13 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "profile": (
         "{dev,ci,nightly}",
         "how long each campaign runs: "
-        + ", ".join(
-            f"{name} = {examples} examples of up to {steps} steps"
-            for name, (examples, steps) in PROFILES.items()
-        )
-        + " (default dev, about a minute for the built-in suite on sim on a 2-core machine; "
-        "--graphmode-examples/--graphmode-steps override)",
+        + ", ".join(f"{name} = {profile.describe()}" for name, profile in PROFILES.items())
+        + " (default dev: the built-in suite takes about a minute on sim)",
+    ),
+    "seconds": (
+        "S",
+        "time budget of each campaign's examples: no new example starts once S seconds have "
+        "passed (default from the profile; given --graphmode-examples, none; 0: none)",
     ),
     "ranks": ("N", "data-parallel ranks, one process each (default 1; gloo on sim, NCCL on cuda)"),
     "shrink_seconds": (
@@ -85,7 +107,10 @@ class GraphmodeSettings:
     seed_given: bool
     report: Path | None
     shrink_seconds: float
-    isolate_option: str  # auto: campaigns on cuda run in a child process (fuzz/isolation.py)
+    isolate_option: str
+    seconds: float | None = (
+        None  # the time budget of each campaign's examples (None: none)  # auto: campaigns on cuda run in a child process (fuzz/isolation.py)
+    )
     ranks: int = 1
 
     @cached_property
@@ -162,7 +187,11 @@ def resolve(config: pytest.Config) -> GraphmodeSettings:
         raise pytest.UsageError(
             f"--graphmode-isolate / graphmode_isolate: {isolate!r} is not one of {ISOLATE}"
         )
-    examples, steps = PROFILES[profile]
+    chosen = PROFILES[profile]
+    # A count asked for is a count run: the profile's time budget then no longer applies.
+    seconds = chosen.seconds if raw["examples"] is None else None
+    if raw["seconds"] is not None:
+        seconds = _parse_seconds("seconds", raw["seconds"]) or None
     workerinput = getattr(config, "workerinput", None)
     seed_given = raw["seed"] is not None
     if workerinput is not None and WORKER_SEED in workerinput:
@@ -178,8 +207,11 @@ def resolve(config: pytest.Config) -> GraphmodeSettings:
         target=raw["target"] or DEFAULT_TARGET,
         backend_option=backend,
         profile=profile,
-        examples=examples if raw["examples"] is None else _parse_int("examples", raw["examples"]),
-        steps=steps if raw["steps"] is None else _parse_int("steps", raw["steps"]),
+        examples=chosen.examples
+        if raw["examples"] is None
+        else _parse_int("examples", raw["examples"]),
+        steps=chosen.steps if raw["steps"] is None else _parse_int("steps", raw["steps"]),
+        seconds=seconds,
         seed=seed,
         seed_given=seed_given,
         report=None if raw["report"] is None else Path(raw["report"]),

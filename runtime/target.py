@@ -101,11 +101,19 @@ class RuntimeTarget:
     def update_weights(self, seed: int) -> None:
         if self.executor.closed:
             raise RuntimeError("this target is closed; make a new one to load other weights")
-        # The weights are rewritten in place, so the graphs would even read the new values; the
-        # executor still drops them: a weight change is a configuration change, and a target
-        # whose weights moved (or changed dtype or layout) must not replay the old graphs.
+        # The weights are rewritten in place, as an engine syncing weights from a trainer does, so
+        # the captured graphs read the new values at the addresses they captured: keeping them
+        # saves a recapture of every graph. Should a weight ever move, or change dtype or shape,
+        # the graphs would read the old tensor: then they are dropped.
+        before = _weight_layout(self.decoder.weights())
         self.decoder.load_weights(seed)
-        self.executor.invalidate(f"weights replaced by seed {seed}")
+        moved = sorted(
+            name
+            for name, layout in _weight_layout(self.decoder.weights()).items()
+            if before.get(name) != layout
+        )
+        if moved:
+            self.executor.invalidate(f"weights replaced by seed {seed} moved: {', '.join(moved)}")
 
     def close(self) -> None:
         if self._closed:
@@ -115,6 +123,13 @@ class RuntimeTarget:
             self.executor.close()
         finally:
             self.backend.deactivate()
+
+
+def _weight_layout(weights: Mapping[str, Tensor]) -> dict[str, tuple[object, ...]]:
+    """What a captured graph depends on of each weight: where it lives and how it is laid out."""
+    return {
+        name: (w.data_ptr(), w.dtype, tuple(w.shape), w.stride()) for name, w in weights.items()
+    }
 
 
 def make_target(

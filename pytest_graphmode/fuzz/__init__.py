@@ -6,7 +6,7 @@ Public API (stable; the pytest plugin is built on it):
 
 - `run_campaign(factory, *, backend="sim", max_examples=50, max_steps=12, seed=None,
   features=None, progress=None, settings=None, stats=None, shrink_seconds=None,
-  on_example=None, pipelined=True) -> CampaignStats`: Hypothesis draws schedules of legal
+  on_example=None, pipelined=True, seconds=None) -> CampaignStats`: Hypothesis draws schedules of legal
   batches and stressors (with pipelined pairs unless `pipelined=False`, the first example then
   being the simplest pipelined pair; each schedule switches a random part of the features and
   stressors off, `strategies/swarm.py`), run on twins kept across examples (`kept_twins.py`,
@@ -14,6 +14,8 @@ Public API (stable; the pytest plugin is built on it):
   the first failure is shrunk to its smallest schedule (within `shrink_seconds`, when given) and
   raised as `GraphmodeFailure` (its `.stats` holds the statistics so far). `stats` is counted
   into as the campaign runs, so its caller keeps the counts of an interrupted campaign.
+  `seconds` is a time budget: no example starts once it is spent, and the campaign then passes
+  (a failure found before is still shrunk and raised).
 - `isolation.run_isolated(...)`: the same campaign in a child process; a device fault or a dead
   child is a failure of `no_device_fault` (docs/ci.md, "Device faults").
 - `replay(batches, *, factory, backend="sim", seed=0) -> CampaignStats`: re-run a concrete
@@ -22,7 +24,7 @@ Public API (stable; the pytest plugin is built on it):
 - `CampaignStats`: examples, steps, pipelined_steps, buckets_hit, paths, fallback_reasons, checks_run, failures,
   seconds, the first failure as found (`first_failure_seconds`, `_example`, `_check`) and its
   shrinking (`shrinking`, `shrink_seconds`, `shrink_budget_seconds`, `shrink_stopped_by_budget`),
-  `planned_examples`; `merge(other)` (xdist aggregation), `to_json()` and `from_json()`.
+  `planned_examples`, `time_budget_seconds`, `stopped_by_time_budget`; `merge(other)` (xdist aggregation), `to_json()` and `from_json()`.
 - `Failure(check, step, message, seed, replay_snippet)`, and `GraphmodeFailure(AssertionError)`
   with `.failure` and `.stats`.
 - `CHECKS`: the name of every check a campaign can fail with, in the order they run within a

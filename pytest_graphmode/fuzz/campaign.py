@@ -98,6 +98,7 @@ def run_campaign(
     shrink_seconds: float | None = None,
     on_example: Callable[[int, Sequence[Batch | Stress]], None] | None = None,
     pipelined: bool = True,
+    seconds: float | None = None,
 ) -> CampaignStats:
     """Fuzz `factory`'s targets; return the statistics, or raise `GraphmodeFailure` (carrying
     them as `.stats`) for the first failure, shrunk to its smallest schedule.
@@ -112,27 +113,31 @@ def run_campaign(
     failure is reported as found). `on_example(seed, events)` is called before each example runs.
     `pipelined=False` leaves pipelined pairs out of the schedules (docs/contract.md): every step
     then runs in lockstep, each read before the next is sent; else the first example is the
-    simplest pipelined pair (`first_pair`), one of the campaign's examples.
+    simplest pipelined pair (`first_pair`), one of the campaign's examples. `seconds` is a time
+    budget: once that many seconds have passed since the campaign started, no new example starts
+    and the campaign ends as passed (a failure found before is shrunk as always, within
+    `shrink_seconds`); `max_examples` still caps the count.
     """
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"seconds={seconds!r} must be a number of seconds > 0, or None")
     spec = campaign_spec(factory, backend, features)
     stats = CampaignStats() if stats is None else stats
     started = time.perf_counter()
     chosen = settings or hypothesis_settings(max_examples)
-    stats.planned_examples = chosen.max_examples
+    # Under a time budget the example count is only a cap: "N of M" would say nothing.
+    stats.planned_examples = 0 if seconds is not None else chosen.max_examples
+    stats.time_budget_seconds = seconds
     leading_pair = pipelined and hypothesis.Phase.explicit in chosen.phases
-    if leading_pair:
-        chosen = _after_a_leading_example(chosen)
     stats.shrink_budget_seconds = shrink_seconds
     budget = _ShrinkBudget(stats, started, shrink_seconds, progress)
     twins = KeptTwins(factory, backend=backend, stats=stats)
 
-    @hypothesis.given(
-        plans=schedules(spec, max_steps, pipelined=pipelined),
-        example_seed=st.integers(0, 2**31 - 1),
-    )
     def example(plans: list[StepPlan], example_seed: int) -> None:
         if budget.spent():
             raise _ShrinkBudgetSpent
+        if out_of_time(stats, started, seconds) and not budget.found:
+            stats.stopped_by_time_budget = True
+            raise TimeBudgetSpent
         events = compile_schedule(spec, plans, seed=example_seed)
         budget.leading = leading_pair and stats.examples == 0  # explicit examples run first
         stats.examples += 1
@@ -149,18 +154,40 @@ def run_campaign(
         finally:
             budget.report()
 
-    if leading_pair:
-        pair_seed = random.Random(seed).randrange(2**31)  # seed None: a random one
-        example = hypothesis.example(plans=first_pair(), example_seed=pair_seed)(example)
-    example = chosen(example)
-    if seed is not None:
-        example = hypothesis.seed(seed)(example)
+    def hypothesis_run(run: int, examples: int) -> Callable[[], None]:
+        """The `run`-th Hypothesis run of the campaign, drawing `examples` examples."""
+        drawn = hypothesis.given(
+            plans=schedules(spec, max_steps, pipelined=pipelined),
+            example_seed=st.integers(0, 2**31 - 1),
+        )(example)
+        run_settings = hypothesis.settings(chosen, max_examples=examples)
+        if leading_pair and run == 0:
+            run_settings = _after_a_leading_example(run_settings)
+            pair_seed = random.Random(seed).randrange(2**31)  # seed None: a random one
+            drawn = hypothesis.example(plans=first_pair(), example_seed=pair_seed)(drawn)
+        test = run_settings(drawn)
+        run_seed = _run_seed(seed, run)
+        return test if run_seed is None else hypothesis.seed(run_seed)(test)
+
     try:
         with storage_outside_the_project(), budget.ticking():
             try:
-                example()
+                run = 0
+                while not out_of_time(stats, started, seconds):
+                    left = chosen.max_examples - stats.examples
+                    before = stats.examples
+                    hypothesis_run(run, left if seconds is None else min(left, ROUND_EXAMPLES))()
+                    run += 1
+                    # One run without a time budget; with one, runs until it is spent, the cap
+                    # is reached, or a run found nothing left to draw.
+                    if seconds is None or stats.examples in (before, chosen.max_examples):
+                        break
+                else:
+                    stats.stopped_by_time_budget = True
             except _ShrinkBudgetSpent:
                 raise budget.smallest_failure() from None
+            except TimeBudgetSpent:
+                pass  # every example run passed: the campaign passed
     except (GraphmodeFailure, HistoryFailure) as caught:
         failed = caught.failed if isinstance(caught, HistoryFailure) else caught
         failure = budget.annotated(failed.failure)
@@ -171,6 +198,20 @@ def run_campaign(
         budget.finish()
         stats.seconds += time.perf_counter() - started
     return stats
+
+
+ROUND_EXAMPLES = 50
+"""Examples per Hypothesis run of a campaign with a time budget. Hypothesis draws the first tenth
+of a run's examples (at most 50) as small as it can, so one run sized for the cap would spend its
+first 50 examples on one-step schedules; runs of the ci profile's size draw as a ci campaign does."""
+
+
+def _run_seed(seed: int | None, run: int) -> int | None:
+    """The seed of a campaign's `run`-th Hypothesis run: the campaign's own for the first, so that
+    a campaign without a time budget is unchanged, and one derived from it for the next."""
+    if seed is None or run == 0:
+        return seed
+    return random.Random(f"{seed}:{run}").getrandbits(64)
 
 
 def _after_a_leading_example(chosen: hypothesis.settings) -> hypothesis.settings:
@@ -188,6 +229,18 @@ LEADING = (
     "pipelined pair, and its replay ends at the failing step"
 )
 HISTORY = "shrinking skipped: the failure needs the examples before it on the same twins"
+
+
+def out_of_time(stats: CampaignStats, started: float, seconds: float | None) -> bool:
+    """Whether the time budget is spent; never before the first example has run."""
+    if seconds is None or stats.examples == 0:
+        return False
+    return time.perf_counter() - started >= seconds
+
+
+class TimeBudgetSpent(BaseException):
+    """Ends Hypothesis's run once the time budget is spent and nothing failed, as
+    `_ShrinkBudgetSpent` ends it once shrinking has had its time."""
 
 
 class _ShrinkBudgetSpent(BaseException):
@@ -238,6 +291,11 @@ class _ShrinkBudget:
             stats.first_failure_check = type(error).__name__
         stats.shrinking = True
         self.report()
+
+    @property
+    def found(self) -> bool:
+        """Whether a failure has been found."""
+        return self._found_at is not None
 
     def spent(self) -> bool:
         if self._found_at is None or self._limit is None:

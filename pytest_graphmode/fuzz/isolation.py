@@ -70,6 +70,7 @@ def run_isolated(
     stats: CampaignStats | None = None,
     shrink_seconds: float | None = None,
     silence_limit: float = SILENCE_LIMIT_SECONDS,
+    seconds: float | None = None,
 ) -> CampaignStats:
     """`run_campaign` with the same arguments, run in a child process; a child that faults or
     dies is a `GraphmodeFailure` of `no_device_fault`. `factory` must pickle (`can_isolate`)."""
@@ -88,6 +89,7 @@ def run_isolated(
         features=features,
         settings=settings,
         shrink_seconds=shrink_seconds,
+        seconds=seconds,
     )
     context = multiprocessing.get_context("spawn")
     receiver, sender = context.Pipe(duplex=False)

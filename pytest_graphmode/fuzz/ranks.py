@@ -36,7 +36,12 @@ from hypothesis import strategies as st
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import TargetFactory
 from pytest_graphmode.failure import Failure, GraphmodeFailure
-from pytest_graphmode.fuzz.campaign import campaign_spec, storage_outside_the_project
+from pytest_graphmode.fuzz.campaign import (
+    TimeBudgetSpent,
+    campaign_spec,
+    out_of_time,
+    storage_outside_the_project,
+)
 from pytest_graphmode.fuzz.rank_checks import RANKS_ARRIVE
 from pytest_graphmode.fuzz.rank_group import COLLECTIVES, STATUS_FIELDS, RankGroup
 from pytest_graphmode.fuzz.rank_lockstep import Finding
@@ -305,13 +310,17 @@ def run_rank_campaign(
     settings: hypothesis.settings | None = None,
     stats: CampaignStats | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    seconds: float | None = None,
 ) -> CampaignStats:
     """`run_campaign` over `ranks` data-parallel ranks: every check of one rank on every rank,
     plus the checks of `registry.RANK_CHECKS`: `ranks_agree` (every rank runs the same graph at
     every step) and `ranks_arrive` (no collective hangs for `timeout` seconds). Statistics count
-    the steps of every rank; `stats`, when given, is counted into as in `run_campaign`."""
+    the steps of every rank; `stats`, when given, is counted into as in `run_campaign`, and so is
+    the time budget `seconds`."""
     spec = campaign_spec(factory, backend, features)
     stats = CampaignStats() if stats is None else stats
+    stats.time_budget_seconds = seconds
+    found_failure = False
     started = time.perf_counter()
     pool = RankPool(factory, backend=backend, ranks=ranks, timeout=timeout)
 
@@ -319,6 +328,10 @@ def run_rank_campaign(
         steps=rank_schedules(spec, ranks, max_steps), example_seed=st.integers(0, 2**31 - 1)
     )
     def example(steps: list[RankStep], example_seed: int) -> None:
+        nonlocal found_failure
+        if out_of_time(stats, started, seconds) and not found_failure:
+            stats.stopped_by_time_budget = True
+            raise TimeBudgetSpent
         events = compile_rank_schedule(spec, steps, seed=example_seed)
         stats.examples += 1
         try:
@@ -326,6 +339,9 @@ def run_rank_campaign(
             _fold(
                 stats, replies, factory=factory, backend=backend, seed=example_seed, events=events
             )
+        except BaseException:
+            found_failure = True  # its shrinking is not cut short by the time budget
+            raise
         finally:
             if progress is not None:
                 progress(stats)
@@ -336,6 +352,8 @@ def run_rank_campaign(
     try:
         with storage_outside_the_project():
             example()
+    except TimeBudgetSpent:
+        pass  # every example run passed: the campaign passed
     except GraphmodeFailure as failed:
         stats.failures.append(failed.failure)
         failed.stats = stats

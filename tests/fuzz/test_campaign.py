@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import Phase, configuration
 
+import pytest_graphmode.fuzz.campaign as campaign_module
 from pytest_graphmode.contract import Batch
 from pytest_graphmode.fuzz import CHECKS, CampaignStats, GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.isolation import NO_DEVICE_FAULT
@@ -100,6 +101,74 @@ def test_a_zero_shrink_budget_reports_the_failure_as_found():
     assert "shrinking stopped at its budget of 0 s" in caught.value.failure.message
     # The failure was announced while shrinking, before the campaign ended.
     assert (stats.examples, "replay_matches_eager", True) in heard
+
+
+class _Clock:
+    """A stand-in for the campaign module's `time`: a second passes with every example."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def tick(self, *_: object) -> None:
+        self.now += 1.0
+
+
+def test_a_time_budget_ends_a_passing_campaign_once_spent(monkeypatch: pytest.MonkeyPatch):
+    clock = _Clock()
+    monkeypatch.setattr(campaign_module, "time", clock)
+    stats = run_campaign(
+        toy.make_target, max_examples=50, max_steps=3, seed=2, seconds=3.5, on_example=clock.tick
+    )
+    # Examples start at 0, 1, 2 and 3 s; at 4 s the budget is spent and no fifth one starts.
+    assert (stats.examples, stats.failures) == (4, [])
+    assert (stats.time_budget_seconds, stats.stopped_by_time_budget) == (3.5, True)
+    assert stats.planned_examples == 0  # the count is only a cap: no "N of M"
+
+
+def test_the_example_count_still_caps_a_time_budgeted_campaign():
+    stats = run_campaign(toy.make_target, max_examples=3, max_steps=3, seed=2, seconds=3600)
+    assert (stats.examples, stats.stopped_by_time_budget) == (3, False)
+
+
+def test_a_time_budget_runs_hypothesis_in_rounds_with_one_leading_pair():
+    seen: list[list[Batch | Stress]] = []
+    rounds = campaign_module.ROUND_EXAMPLES
+    stats = run_campaign(
+        toy.make_target,
+        max_examples=rounds + 5,
+        max_steps=2,
+        seed=3,
+        seconds=3600,
+        on_example=lambda _, e: seen.append(e),
+    )
+    assert stats.examples == len(seen) == rounds + 5 and not stats.stopped_by_time_budget
+    # Only the first round starts with the pair; later rounds draw as a fresh ci-sized run.
+    assert [i for i, events in enumerate(seen) if events == seen[0]] == [0]
+
+
+def test_a_failure_is_shrunk_and_reported_though_the_time_budget_is_spent():
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(
+            toy.factory(["drift"]),
+            max_examples=10,
+            max_steps=3,
+            seed=1,
+            pipelined=False,
+            seconds=1e-9,  # spent before the second example could start
+        )
+    stats = caught.value.stats
+    assert stats is not None and not stats.stopped_by_time_budget
+    assert stats.examples > stats.first_failure_example  # shrinking ran on
+    assert "; shrinking finished in " in caught.value.failure.message
+
+
+@pytest.mark.parametrize("seconds", [0, -1.0, float("nan")])
+def test_a_time_budget_must_be_positive(seconds: float):
+    with pytest.raises(ValueError, match="must be a number of seconds > 0"):
+        run_campaign(toy.make_target, max_examples=2, seconds=seconds)
 
 
 def test_an_unbounded_shrink_says_it_finished():

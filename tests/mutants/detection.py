@@ -12,6 +12,8 @@ directory (so only the built-in suite runs; the checkout is put on PYTHONPATH fo
         --graphmode-backend=sim --graphmode-seed=S -p no:xdist -p no:randomly
         --graphmode-report=REPORT
 
+(`--backend cuda` runs the same command with `--graphmode-backend=cuda`.)
+
 Time to the report is the wall time of that process. Time and examples to the first failure come
 from the report's `first_failure_*` fields; a checkout whose reports lack them is measured by a
 second run, `measure.py`'s detection campaign for the same mutant and seed (its own budget, no
@@ -58,8 +60,10 @@ class Detection:
     exit_code: int | None  # None: killed at the timeout
 
 
-def detect(checkout: Checkout, mutant: str, seed: int, timeout: float) -> Detection:
-    """One `pytest --graphmode-fuzz` run of `checkout` against `mutant`."""
+def detect(
+    checkout: Checkout, mutant: str, seed: int, timeout: float, backend: str = "sim"
+) -> Detection:
+    """One `pytest --graphmode-fuzz` run of `checkout` against `mutant` on `backend`."""
     with tempfile.TemporaryDirectory(prefix="graphmode-detection-") as empty:
         report = Path(empty) / "report.json"
         command = [
@@ -74,7 +78,7 @@ def detect(checkout: Checkout, mutant: str, seed: int, timeout: float) -> Detect
             "no:randomly",
             "--graphmode-fuzz",
             f"--graphmode-target=tests.mutants.{mutant}:make_target",
-            "--graphmode-backend=sim",
+            f"--graphmode-backend={backend}",
             f"--graphmode-seed={seed}",
             f"--graphmode-report={report}",
         ]
@@ -210,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         help="measure this checkout with this interpreter (repeatable; default: this one)",
     )
     parser.add_argument("--json", type=Path, help="also write every run to this JSON file")
+    parser.add_argument("--backend", choices=("sim", "cuda"), default="sim")
     args = parser.parse_args(argv)
     checkouts = [
         Checkout(label, str(Path(python).absolute()), Path(directory).absolute())
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     for mutant in mutants:
         for seed in range(args.seeds):
             for checkout in checkouts:
-                run = detect(checkout, mutant, seed, args.timeout)
+                run = detect(checkout, mutant, seed, args.timeout, args.backend)
                 runs.append(run)
                 print(json.dumps(asdict(run)), file=sys.stderr, flush=True)
                 if args.json is not None:

@@ -22,7 +22,7 @@ from tests.mutants.zoo import Mutant, load
 
 pytestmark = pytest.mark.graphmode_cuda
 
-CI_EXAMPLES, CI_STEPS = PROFILES["ci"]
+CI_EXAMPLES, CI_STEPS = PROFILES["ci"].examples, PROFILES["ci"].steps
 DETECTION_SEEDS = (0, 1, 2)
 RACES = ("staging_buffer_reused", "copy_stream_not_awaited")
 

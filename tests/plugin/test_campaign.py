@@ -227,6 +227,7 @@ def test_json_report_holds_the_run_and_its_results(broken_run: Run) -> None:
         "profile": "dev",
         "seed": 1,
         "examples_per_campaign": 2,
+        "seconds_per_campaign": None,
         "steps_per_example": 3,
         "ranks": 1,
         "shrink_seconds": 20.0,

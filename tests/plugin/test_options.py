@@ -17,6 +17,7 @@ OPTIONS = (
     "profile",
     "shrink-seconds",
     "isolate",
+    "seconds",
 )
 
 
@@ -31,10 +32,10 @@ def test_help_says_what_each_profile_means(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest("--help")
     text = " ".join(result.stdout.str().split())
     assert (
-        "dev = 10 examples of up to 8 steps, ci = 50 examples of up to 12 steps, nightly = 500 "
-        "examples of up to 24 steps" in text
+        "dev = examples for 20 s of up to 8 steps, ci = 50 examples of up to 12 steps, nightly = "
+        "500 examples of up to 24 steps" in text
     )
-    assert "default dev, about a minute for the built-in suite on sim on a 2-core machine" in text
+    assert "default dev: the built-in suite takes about a minute on sim" in text
 
 
 def test_fuzz_only_collects_just_the_builtin_suite(toy_project: pytest.Pytester) -> None:
@@ -95,6 +96,7 @@ def test_cuda_marked_test_is_skipped_with_a_reason_without_a_gpu(
         ("--graphmode-profile=weekly", "*graphmode_profile: 'weekly' is not one of*"),
         ("--graphmode-examples=many", "*graphmode_examples: 'many' is not an integer >= 1*"),
         ("--graphmode-seed=-3", "*graphmode_seed: '-3' is not an integer >= 0*"),
+        ("--graphmode-seconds=soon", "*graphmode_seconds: 'soon' is not a number of seconds >= 0*"),
     ],
 )
 def test_bad_option_value_is_a_usage_error(
@@ -130,8 +132,30 @@ def test_header_names_backend_target_and_given_seed(toy_project: pytest.Pytester
         "--collect-only",
     )
     result.stdout.fnmatch_lines(
-        [f"graphmode: backend=sim target={TOY} seed=41 (given) profile=dev examples=10 steps=8"]
+        [
+            f"graphmode: backend=sim target={TOY} seed=41 (given) profile=dev "
+            "examples<=10000 seconds=20 steps=8"
+        ]
     )
+
+
+@pytest.mark.parametrize(
+    ("options", "shown"),
+    [
+        (["--graphmode-examples=7"], "profile=dev examples=7 steps=8"),
+        (["--graphmode-seconds=5"], "profile=dev examples<=10000 seconds=5 steps=8"),
+        (["--graphmode-examples=7", "--graphmode-seconds=5"], "examples<=7 seconds=5 steps=8"),
+        (["--graphmode-profile=ci", "--graphmode-seconds=0.5"], "examples<=50 seconds=0.5"),
+        (["--graphmode-seconds=0"], "profile=dev examples=10000 steps=8"),
+    ],
+)
+def test_an_example_count_or_time_budget_given_replaces_the_profiles(
+    toy_project: pytest.Pytester, options: list[str], shown: str
+) -> None:
+    result = toy_project.runpytest(
+        "--graphmode-fuzz", f"--graphmode-target={TOY}", *options, "--collect-only"
+    )
+    result.stdout.fnmatch_lines([f"graphmode: *{shown}*"])
 
 
 def test_header_shows_a_random_seed_and_how_to_rerun_it(toy_project: pytest.Pytester) -> None:

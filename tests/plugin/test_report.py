@@ -199,6 +199,15 @@ def test_progress_line_prefers_the_engines_planned_examples() -> None:
     assert shown == ["graphmode campaign: example 3 of 12, 20 steps, 0 failures"]
 
 
+def test_progress_line_names_a_time_budget_instead_of_an_example_count() -> None:
+    shown: list[str] = []
+    line = ProgressLine(shown.append, lambda: None, "campaign")
+    stats = campaign(examples=3)
+    stats.time_budget_seconds = 20.0
+    line.update(stats)
+    assert shown == ["graphmode campaign: example 3 in a 20 s budget, 20 steps, 0 failures"]
+
+
 def test_progress_line_says_a_failure_was_found_while_shrinking() -> None:
     shown: list[str] = []
     line = ProgressLine(shown.append, lambda: None, "campaign", 0.0, planned=50)

@@ -10,6 +10,7 @@ import torch
 from runtime_helpers import TINY, assert_kv_match, assert_match, make_batch
 
 from pytest_graphmode import Batch, GraphTarget
+from pytest_graphmode.runtime.model import Decoder
 from pytest_graphmode.runtime.target import make_target
 
 BACKENDS = [
@@ -78,20 +79,47 @@ def test_poisoned_static_buffers_do_not_change_valid_results() -> None:
     assert_kv_match(graph.state()["kv_cache"], eager.state()["kv_cache"])
 
 
-def test_update_weights_invalidates_graphs_and_twins_still_agree() -> None:
+def test_update_weights_in_place_keeps_graphs_and_twins_still_agree() -> None:
     graph, eager = (make_target(mode, seed=5, backend="sim") for mode in ("graph", "eager"))
     batch = make_batch([1, 1], context=3)
     before = graph.step(batch)
     eager.step(batch)
+    captured = graph.executor.graphs
     for twin in (graph, eager):
         twin.update_weights(11)
-    assert graph.executor.graphs == ()
+    assert graph.executor.graphs == captured
     later = make_batch([1, 1], context=4)
+    after = graph.step(later)
+    assert (after.path, after.graph_key) == ("full", before.graph_key)
+    assert_match(after, eager.step(later))
+    assert not torch.allclose(after.logits, before.logits)
+    stats = graph.executor.stats()
+    assert (stats.captures, stats.invalidations) == (1, ())
+
+
+def test_update_weights_that_move_a_weight_drops_the_graphs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    graph, eager = (make_target(mode, seed=5, backend="sim") for mode in ("graph", "eager"))
+    batch = make_batch([1, 1], context=3)
+    graph.step(batch)
+    eager.step(batch)
+    for twin in (graph, eager):
+        decoder = twin.decoder
+
+        def rebound(seed: int, decoder: Decoder = decoder) -> None:
+            fresh = Decoder(decoder.config, seed=seed, device=decoder.device)
+            decoder._weights["lm_head"] = fresh.weights()["lm_head"]
+
+        monkeypatch.setattr(decoder, "load_weights", rebound)
+        twin.update_weights(11)
+    assert graph.executor.graphs == ()
+    assert graph.executor.stats().invalidations == ("weights replaced by seed 11 moved: lm_head",)
+    later = make_batch([1, 1], context=4)
+    # Recaptured, the graph reads the new lm_head; the old graph would have read the old one.
     after = graph.step(later)
     assert after.path == "full"
     assert_match(after, eager.step(later))
-    assert not torch.allclose(after.logits, before.logits)
-    assert graph.executor.stats().invalidations == ("weights replaced by seed 11",)
 
 
 def test_eager_twin_never_captures() -> None:
