@@ -85,13 +85,11 @@ class GraphmodeFuzz:
         else:
             isolate = run.isolate_option == "on"
         campaign: Callable[..., CampaignStats] = run_isolated if isolate else run_campaign
-        if run.ranks > 1:  # rank processes are children already; they shrink without a budget
+        if run.ranks > 1:  # rank processes are children already
             from pytest_graphmode.fuzz.ranks import run_rank_campaign
 
             campaign = functools.partial(run_rank_campaign, ranks=run.ranks)
-        else:
-            campaign = functools.partial(campaign, shrink_seconds=run.shrink_seconds)
-        campaign = functools.partial(campaign, seconds=seconds)
+        campaign = functools.partial(campaign, shrink_seconds=run.shrink_seconds, seconds=seconds)
 
         def on_progress(current: CampaignStats) -> None:
             announce(current)

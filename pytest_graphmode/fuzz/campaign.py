@@ -129,12 +129,12 @@ def run_campaign(
     stats.time_budget_seconds = seconds
     leading_pair = pipelined and hypothesis.Phase.explicit in chosen.phases
     stats.shrink_budget_seconds = shrink_seconds
-    budget = _ShrinkBudget(stats, started, shrink_seconds, progress)
+    budget = ShrinkBudget(stats, started, shrink_seconds, progress)
     twins = KeptTwins(factory, backend=backend, stats=stats)
 
     def example(plans: list[StepPlan], example_seed: int) -> None:
         if budget.spent():
-            raise _ShrinkBudgetSpent
+            raise ShrinkBudgetSpent
         if out_of_time(stats, started, seconds) and not budget.found:
             stats.stopped_by_time_budget = True
             raise TimeBudgetSpent
@@ -166,25 +166,13 @@ def run_campaign(
             pair_seed = random.Random(seed).randrange(2**31)  # seed None: a random one
             drawn = hypothesis.example(plans=first_pair(), example_seed=pair_seed)(drawn)
         test = run_settings(drawn)
-        run_seed = _run_seed(seed, run)
-        return test if run_seed is None else hypothesis.seed(run_seed)(test)
+        return seeded(test, seed, run)
 
     try:
         with storage_outside_the_project(), budget.ticking():
             try:
-                run = 0
-                while not out_of_time(stats, started, seconds):
-                    left = chosen.max_examples - stats.examples
-                    before = stats.examples
-                    hypothesis_run(run, left if seconds is None else min(left, ROUND_EXAMPLES))()
-                    run += 1
-                    # One run without a time budget; with one, runs until it is spent, the cap
-                    # is reached, or a run found nothing left to draw.
-                    if seconds is None or stats.examples in (before, chosen.max_examples):
-                        break
-                else:
-                    stats.stopped_by_time_budget = True
-            except _ShrinkBudgetSpent:
+                run_in_rounds(hypothesis_run, stats, started, seconds, chosen.max_examples)
+            except ShrinkBudgetSpent:
                 raise budget.smallest_failure() from None
             except TimeBudgetSpent:
                 pass  # every example run passed: the campaign passed
@@ -206,12 +194,35 @@ of a run's examples (at most 50) as small as it can, so one run sized for the ca
 first 50 examples on one-step schedules; runs of the ci profile's size draw as a ci campaign does."""
 
 
-def _run_seed(seed: int | None, run: int) -> int | None:
-    """The seed of a campaign's `run`-th Hypothesis run: the campaign's own for the first, so that
-    a campaign without a time budget is unchanged, and one derived from it for the next."""
-    if seed is None or run == 0:
-        return seed
-    return random.Random(f"{seed}:{run}").getrandbits(64)
+def run_in_rounds(
+    hypothesis_run: Callable[[int, int], Callable[[], None]],
+    stats: CampaignStats,
+    started: float,
+    seconds: float | None,
+    max_examples: int,
+) -> None:
+    """Run a campaign's Hypothesis runs; `hypothesis_run(run, examples)` makes the `run`-th, of
+    `examples` examples. Without a time budget, one run of `max_examples`; with one, runs of
+    `ROUND_EXAMPLES` until the budget is spent, `max_examples` have run, or a run drew nothing."""
+    run = 0
+    while not out_of_time(stats, started, seconds):
+        left = max_examples - stats.examples
+        before = stats.examples
+        hypothesis_run(run, left if seconds is None else min(left, ROUND_EXAMPLES))()
+        run += 1
+        if seconds is None or stats.examples in (before, max_examples):
+            return
+    stats.stopped_by_time_budget = True
+
+
+def seeded(test: Callable[[], None], seed: int | None, run: int) -> Callable[[], None]:
+    """`test`, the `run`-th Hypothesis run of a campaign with `seed`, seeded: the first with the
+    campaign's seed, so that a campaign without a time budget is unchanged, the next with seeds
+    derived from it (None: Hypothesis's own random seed)."""
+    if seed is None:
+        return test
+    run_seed = seed if run == 0 else random.Random(f"{seed}:{run}").getrandbits(64)
+    return hypothesis.seed(run_seed)(test)
 
 
 def _after_a_leading_example(chosen: hypothesis.settings) -> hypothesis.settings:
@@ -240,19 +251,19 @@ def out_of_time(stats: CampaignStats, started: float, seconds: float | None) -> 
 
 class TimeBudgetSpent(BaseException):
     """Ends Hypothesis's run once the time budget is spent and nothing failed, as
-    `_ShrinkBudgetSpent` ends it once shrinking has had its time."""
+    `ShrinkBudgetSpent` ends it once shrinking has had its time."""
 
 
-class _ShrinkBudgetSpent(BaseException):
+class ShrinkBudgetSpent(BaseException):
     """Ends Hypothesis's run from inside the test function: a `BaseException`, which Hypothesis
     neither records as a failure nor shrinks, but lets through (as it does Ctrl-C)."""
 
 
-class _ShrinkBudget:
+class ShrinkBudget:
     """The first failure's bookkeeping, and the time limit of shrinking it.
 
     Hypothesis has no time limit on shrinking. Once the budget is spent, the next call of the test
-    function ends Hypothesis's run (`_ShrinkBudgetSpent`), and the campaign reports the last
+    function ends Hypothesis's run (`ShrinkBudgetSpent`), and the campaign reports the last
     failure seen: the shrinker runs only inputs smaller than its current smallest failing one, so
     the last failure is the smallest found. Ending the run, rather than letting the remaining
     candidates pass, also skips drawing them: drawing a schedule costs a good part of an example.

@@ -37,9 +37,13 @@ from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import TargetFactory
 from pytest_graphmode.failure import Failure, GraphmodeFailure
 from pytest_graphmode.fuzz.campaign import (
+    ShrinkBudget,
+    ShrinkBudgetSpent,
     TimeBudgetSpent,
     campaign_spec,
     out_of_time,
+    run_in_rounds,
+    seeded,
     storage_outside_the_project,
 )
 from pytest_graphmode.fuzz.rank_checks import RANKS_ARRIVE
@@ -311,25 +315,29 @@ def run_rank_campaign(
     stats: CampaignStats | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     seconds: float | None = None,
+    shrink_seconds: float | None = None,
 ) -> CampaignStats:
     """`run_campaign` over `ranks` data-parallel ranks: every check of one rank on every rank,
     plus the checks of `registry.RANK_CHECKS`: `ranks_agree` (every rank runs the same graph at
     every step) and `ranks_arrive` (no collective hangs for `timeout` seconds). Statistics count
-    the steps of every rank; `stats`, when given, is counted into as in `run_campaign`, and so is
-    the time budget `seconds`."""
+    the steps of every rank; `stats`, when given, is counted into as in `run_campaign`, and so are
+    the time budget `seconds` and the limit on shrinking `shrink_seconds` (a shrink step of a
+    hanging rank costs `timeout`)."""
     spec = campaign_spec(factory, backend, features)
     stats = CampaignStats() if stats is None else stats
     stats.time_budget_seconds = seconds
-    found_failure = False
+    stats.shrink_budget_seconds = shrink_seconds
     started = time.perf_counter()
+    budget = ShrinkBudget(stats, started, shrink_seconds, progress)
     pool = RankPool(factory, backend=backend, ranks=ranks, timeout=timeout)
 
     @hypothesis.given(
         steps=rank_schedules(spec, ranks, max_steps), example_seed=st.integers(0, 2**31 - 1)
     )
     def example(steps: list[RankStep], example_seed: int) -> None:
-        nonlocal found_failure
-        if out_of_time(stats, started, seconds) and not found_failure:
+        if budget.spent():
+            raise ShrinkBudgetSpent
+        if out_of_time(stats, started, seconds) and not budget.found:
             stats.stopped_by_time_budget = True
             raise TimeBudgetSpent
         events = compile_rank_schedule(spec, steps, seed=example_seed)
@@ -339,29 +347,38 @@ def run_rank_campaign(
             _fold(
                 stats, replies, factory=factory, backend=backend, seed=example_seed, events=events
             )
-        except BaseException:
-            found_failure = True  # its shrinking is not cut short by the time budget
+        except GraphmodeFailure as failed:
+            budget.failed(failed)
+            raise
+        except RankAbort as aborted:
+            budget.failed(GraphmodeFailure(aborted.failure, stats))
             raise
         finally:
-            if progress is not None:
-                progress(stats)
+            budget.report()
 
-    example = (settings or hypothesis_settings(max_examples))(example)
-    if seed is not None:
-        example = hypothesis.seed(seed)(example)
+    chosen = settings or hypothesis_settings(max_examples)
+
+    def hypothesis_run(run: int, examples: int) -> Callable[[], None]:
+        return seeded(hypothesis.settings(chosen, max_examples=examples)(example), seed, run)
+
     try:
-        with storage_outside_the_project():
-            example()
-    except TimeBudgetSpent:
-        pass  # every example run passed: the campaign passed
+        with storage_outside_the_project(), budget.ticking():
+            try:
+                run_in_rounds(hypothesis_run, stats, started, seconds, chosen.max_examples)
+            except ShrinkBudgetSpent:
+                raise budget.smallest_failure() from None
+            except TimeBudgetSpent:
+                pass  # every example run passed: the campaign passed
     except GraphmodeFailure as failed:
-        stats.failures.append(failed.failure)
-        failed.stats = stats
-        raise
+        failure = budget.annotated(failed.failure)
+        stats.failures.append(failure)
+        raise GraphmodeFailure(failure, stats) from None
     except RankAbort as aborted:
-        stats.failures.append(aborted.failure)
-        raise GraphmodeFailure(aborted.failure, stats) from None
+        failure = budget.annotated(aborted.failure)
+        stats.failures.append(failure)
+        raise GraphmodeFailure(failure, stats) from None
     finally:
         pool.close()
+        budget.finish()
         stats.seconds += time.perf_counter() - started
     return stats

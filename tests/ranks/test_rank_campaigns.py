@@ -103,3 +103,28 @@ def test_a_hanging_rank_is_reported_with_its_rank_and_step_and_the_run_ends(back
         in failure.message
     ), failure.message
     assert "every rank process was killed" in failure.message
+
+
+def test_a_zero_shrink_budget_reports_a_rank_failure_as_found() -> None:
+    module = importlib.import_module("tests.ranks.uncoordinated")
+    for seed in DETECTION_SEEDS:
+        try:
+            run_rank_campaign(
+                module.make_target,
+                ranks=RANKS,
+                seed=seed,
+                max_examples=DETECTION_EXAMPLES,
+                timeout=TIMEOUT,
+                shrink_seconds=0,
+            )
+        except GraphmodeFailure as caught:
+            stats, failure = caught.stats, caught.failure
+            break
+    else:
+        pytest.fail(f"uncoordinated passed {len(DETECTION_SEEDS)} two-rank campaigns")
+    assert stats is not None and stats.failures == [failure]
+    # No input ran after the first failing one: shrinking stopped at once.
+    assert stats.examples == stats.first_failure_example
+    assert stats.first_failure_check == failure.check
+    assert stats.shrink_stopped_by_budget and not stats.shrinking
+    assert "shrinking stopped at its budget of 0 s" in failure.message
