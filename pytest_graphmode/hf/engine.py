@@ -176,12 +176,15 @@ class Engine(ABC):
         """Per layer, its key then its value cache, slot-major: [(num_blocks + 2) * block_size,
         kv_heads, head_dim]."""
 
+    @abstractmethod
     def _before_step(self) -> None:
-        """Runs before a batch is staged (a layout whose `kv_tensors` are not the cache itself
-        brings the caller's writes in)."""
+        """Runs before a batch is staged: where `kv_tensors` are not the cache itself, what the
+        caller wrote into them goes into the cache."""
 
+    @abstractmethod
     def _after_step(self) -> None:
-        """Runs once a step's outputs are read (such a layout shows the step's writes)."""
+        """Runs once a step's outputs are read: where `kv_tensors` are not the cache itself, the
+        step's writes go into them."""
 
     def _keep_logits(self, _module: Any, _inputs: Any, output: Tensor) -> None:
         # [1, padded_requests, vocab]: padded rows repeat a valid row; a replay repeats this copy.

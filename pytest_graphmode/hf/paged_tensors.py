@@ -40,6 +40,12 @@ class PagedTensorsEngine(Engine):
         for tensor in self.kv_tensors():
             tensor.zero_()
 
+    def _before_step(self) -> None:
+        pass  # the caller writes transformers' own tensors
+
+    def _after_step(self) -> None:
+        pass  # and reads them
+
     def _block_table(self) -> dict[str, list[int]]:
         (group,) = self._cache.group_cache_managers
         table: dict[str, list[int]] = group.block_table

@@ -107,9 +107,7 @@ class SectorCacheEngine(Engine):
 
     @property
     def write_trash_block(self) -> int:
-        return int(self._allocator.write_trash_index) // int(
-            self._allocator.block_physical_stride
-        )
+        return int(self._allocator.write_trash_index) // int(self._allocator.block_physical_stride)
 
     def kv_tensors(self) -> list[Tensor]:
         """Views of the slot-major image: [(num_blocks + 2) * block_size, kv_heads, head_dim] each."""
@@ -122,9 +120,9 @@ class SectorCacheEngine(Engine):
     def _block_major_image(self) -> Tensor:
         # [block, layer, key|value, offset, kv_heads, head_dim], a view of the image
         config = self.config
-        return self._slots.view(
-            -1, config.block_size, *self._slots.shape[1:]
-        ).permute(0, 2, 3, 1, 4, 5)
+        return self._slots.view(-1, config.block_size, *self._slots.shape[1:]).permute(
+            0, 2, 3, 1, 4, 5
+        )
 
     def _before_step(self) -> None:
         self._blocks.copy_(self._block_major_image())
