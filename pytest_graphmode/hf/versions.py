@@ -23,7 +23,7 @@ Layout = Literal["paged_tensors", "sector_cache"]
 # (first release, first release beyond) of each layout. `prepare_batch_tensors(..., use_padding)`
 # arrives in 5.13; 5.18 replaces the per-group block tables and the trailing trash blocks with
 # sector allocators and a flat byte cache; 5.24 is the newest release the sector layout was read
-# against (5.18.0, 5.21.0 and 5.24.0 were run).
+# and run against (docs/targets-hf.md, "Versions").
 LAYOUTS: dict[Layout, tuple[tuple[int, int], tuple[int, int]]] = {
     "paged_tensors": ((5, 13), (5, 18)),
     "sector_cache": ((5, 18), (5, 25)),
