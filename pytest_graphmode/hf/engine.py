@@ -25,7 +25,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pytest_graphmode.hf.versions import check_version
+from pytest_graphmode.hf.versions import (
+    LAYOUTS,
+    Layout,
+    UnsupportedTransformers,
+    check_version,
+    layout_of,
+)
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,8 @@ class Engine(ABC):
     A subclass serves one layout of the paged KV cache: it names the option that sets the block
     size, finds the block table and the trash blocks, and exposes the cache slot-major."""
 
+    # The layout of the releases this subclass serves (`pytest_graphmode.hf.versions`).
+    layout: Layout
     # The ContinuousBatchingConfig field that sets how many tokens a block holds.
     block_size_option: str
 
@@ -83,6 +91,14 @@ class Engine(ABC):
         self, config: EngineConfig, *, seed: int, graphs: bool, device: torch.device
     ) -> None:
         self.version = check_version()
+        if layout_of(self.version) != self.layout:
+            oldest, beyond = LAYOUTS[self.layout]
+            raise UnsupportedTransformers(
+                f"{type(self).__name__} drives transformers {oldest[0]}.{oldest[1]} to "
+                f"{beyond[0]}.{beyond[1] - 1}, whose cache is laid out as {self.layout!r}; "
+                f"transformers {self.version} is installed: make the engine of its layout, "
+                f"{layout_of(self.version)!r}"
+            )
         self.config = config
         # transformers seeds the global generator while it builds its batch processor: the
         # caller's generator is left as it was, and a twin made after another draws the same.

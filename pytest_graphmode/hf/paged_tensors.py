@@ -17,6 +17,7 @@ from pytest_graphmode.hf.versions import UnsupportedTransformers
 class PagedTensorsEngine(Engine):
     """`Engine` over the per-layer key and value tensors of transformers 5.13 to 5.17."""
 
+    layout = "paged_tensors"
     block_size_option = "block_size"
 
     def _check_layout(self) -> None:

@@ -33,6 +33,7 @@ from pytest_graphmode.hf.versions import UnsupportedTransformers
 class SectorCacheEngine(Engine):
     """`Engine` over the flat, sector-split cache of transformers 5.18 to 5.24."""
 
+    layout = "sector_cache"
     block_size_option = "page_size"
 
     def _attention(self, cb_fields: set[str]) -> tuple[str, dict[str, Any]]:

@@ -104,14 +104,18 @@ def test_nan_written_into_a_read_block_reaches_the_request(target: HFTarget) -> 
     assert result.logits.isnan().all()
 
 
-def test_a_nan_null_block_stays_out_of_valid_results(target: HFTarget) -> None:
-    poison_null_block(target.state(), target.spec)
-    result = target.step(Batch((Request(1, PROMPT, 0, BLOCKS),)))
+def test_padding_writes_only_the_nan_null_block_and_valid_results_stay_finite() -> None:
+    graph = make_target("graph", seed=3, backend="sim")
+    poison_null_block(graph.state(), graph.spec)
+    result = graph.step(Batch((Request(1, PROMPT, 0, BLOCKS),)))  # 10 tokens, padded to 16
+    null = graph.spec.null_block * graph.spec.block_size
+    state = {name: tensor.clone() for name, tensor in graph.state().items()}
+    graph.close()
     assert result.logits.isfinite().all()
-    null = target.spec.null_block * target.spec.block_size
-    for name, tensor in target.state().items():
-        # Padding wrote its sink's first slot; the rest still holds the poison.
-        assert tensor[null + 1 : null + target.spec.block_size].isnan().all(), name
+    for name, tensor in state.items():
+        # Every padding token writes the sink's first slot; the rest keeps the poison.
+        assert tensor[null].isfinite().all(), name
+        assert tensor[null + 1 : null + graph.spec.block_size].isnan().all(), name
 
 
 def test_a_batch_of_requests_matches_each_request_alone() -> None:

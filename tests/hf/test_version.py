@@ -4,8 +4,13 @@ against, and picks the cache layout each one has."""
 import importlib.metadata
 
 import pytest
+import torch
 
 from pytest_graphmode.hf import versions
+from pytest_graphmode.hf.engine import Engine, EngineConfig
+from pytest_graphmode.hf.paged_tensors import PagedTensorsEngine
+from pytest_graphmode.hf.sector_cache import SectorCacheEngine
+from pytest_graphmode.hf.target import ENGINES
 
 
 @pytest.mark.parametrize("version", ["5.12.1", "5.25.0", "6.0.0", "4.57.6"])
@@ -48,3 +53,21 @@ def test_a_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(importlib.metadata, "version", missing)
     assert "pip install 'pytest-graphmode[hf]'" in (versions.support_problem() or "")
+
+
+def test_every_layout_has_the_engine_that_declares_it() -> None:
+    assert set(ENGINES) == set(versions.LAYOUTS)
+    assert all(engine.layout == layout for layout, engine in ENGINES.items())
+
+
+@pytest.mark.parametrize(
+    ("version", "engine"), [("5.17.0", SectorCacheEngine), ("5.24.0", PagedTensorsEngine)]
+)
+def test_an_engine_refuses_a_release_of_the_other_layout(
+    monkeypatch: pytest.MonkeyPatch, version: str, engine: type[Engine]
+) -> None:
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
+    with pytest.raises(versions.UnsupportedTransformers) as raised:
+        engine(EngineConfig(), seed=0, graphs=False, device=torch.device("cpu"))
+    assert f"transformers {version} is installed" in str(raised.value)
+    assert f"make the engine of its layout, {versions.layout_of(version)!r}" in str(raised.value)
