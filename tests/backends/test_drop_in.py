@@ -46,7 +46,7 @@ def test_torch_cuda_names_resolve_to_the_sim_inside() -> None:
 
 
 def test_torchs_device_generic_names_answer_for_the_sim_inside() -> None:
-    # Runners written for any accelerator (transformers 5.18 onwards) ask these, not torch.cuda.
+    # Runners written for any accelerator (transformers 5.19 onwards) ask these, not torch.cuda.
     with drop_in():
         assert torch.accelerator.is_available() and torch.accelerator.device_count() == 1
         assert torch.accelerator.current_accelerator() == torch.device("cuda")

@@ -313,7 +313,7 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
 
 def _device_generic_surface(backend: SimBackend) -> list[tuple[Any, str, Any]]:
     """The names outside `torch.cuda` that runners written for any accelerator ask (transformers
-    5.18 onwards does): without them, a host without a GPU answers "no accelerator, the CPU"."""
+    5.19 onwards does): without them, a host without a GPU answers "no accelerator, the CPU"."""
     host_device_module = torch.get_device_module
 
     def get_device_module(device: Any = None) -> Any:
