@@ -1,11 +1,11 @@
 """transformers' continuous-batching runner, driven one batch at a time.
 
-Everything this package knows about transformers' private continuous-batching surface lives here
-and nowhere else: the manager (`init_continuous_batching`), its batch processor, the paged cache
-and its per-request block tables, the IO object that pads and stages a batch
-(`prepare_batch_tensors`), the model runner (`maybe_pad_inputs`, `compute_batch`) and the graph
-store keyed by padded sizes. That surface moves between releases, so `check_version()` admits
-only the releases it was read against and says what to install otherwise.
+This module drives what every supported release shares: the manager (`init_continuous_batching`),
+its batch processor, the IO object that pads and stages a batch (`prepare_batch_tensors`), the
+model runner (`maybe_pad_inputs`, `compute_batch`) and the graph store keyed by padded sizes. Where
+the releases differ, in how the paged KV cache is laid out and where a request's block table lives,
+`Engine` leaves the work to a subclass per layout (`pytest_graphmode.hf.paged_tensors`,
+`pytest_graphmode.hf.sector_cache`); `pytest_graphmode.hf.versions` says which release has which.
 
 The engine is transformers' own: its padding, its graph keys, its warm-up and its capture. This
 module replaces only the scheduler (the caller chooses each batch and its blocks) and adds one
@@ -16,8 +16,8 @@ captured graph and hands out only the sampled tokens.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
-import re
+import dataclasses
+from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,45 +25,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# Releases whose continuous-batching surface this module was written against: the IO object's
-# `prepare_batch_tensors(..., use_padding)` arrives in 5.13; 5.18 replaces the per-group block
-# tables and the trailing trash blocks with sector allocators and a flat byte cache.
-OLDEST = (5, 13)
-BEYOND = (5, 18)  # the first release it does not support
-SUPPORTED = "transformers>=5.13,<5.18"
-
-
-class UnsupportedTransformers(RuntimeError):
-    """The installed transformers is missing or outside the releases this adapter supports."""
-
-
-def support_problem() -> str | None:
-    """Why no `Engine` can be made here (transformers missing or unsupported); None if one can."""
-    try:
-        check_version()
-    except UnsupportedTransformers as exc:
-        return str(exc)
-    return None
-
-
-def check_version() -> str:
-    """The installed transformers version; raises `UnsupportedTransformers` unless it is supported."""
-    try:
-        installed = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise UnsupportedTransformers(
-            f"transformers is not installed; install the extra: pip install 'pytest-graphmode[hf]' "
-            f"({SUPPORTED})"
-        ) from exc
-    match = re.match(r"(\d+)\.(\d+)", installed)
-    release = (int(match[1]), int(match[2])) if match else (0, 0)
-    if not OLDEST <= release < BEYOND:
-        raise UnsupportedTransformers(
-            f"transformers {installed} is installed, but the continuous-batching adapter supports "
-            f"{SUPPORTED} only: its batch processor, paged cache and graph store are private and "
-            f"change between releases; pip install '{SUPPORTED}'"
-        )
-    return installed
+from pytest_graphmode.hf.versions import (
+    LAYOUTS,
+    Layout,
+    UnsupportedTransformers,
+    check_version,
+    layout_of,
+)
 
 
 @dataclass(frozen=True)
@@ -77,7 +45,7 @@ class EngineConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     block_size: int = 8  # transformers' smallest is 4
-    num_blocks: int = 32  # allocatable blocks; transformers adds its two trash blocks after them
+    num_blocks: int = 32  # allocatable blocks; transformers adds its two trash blocks to them
     max_batch_tokens: int = 32
     max_requests: int = 4
     q_padding: int = (
@@ -108,13 +76,29 @@ class EngineStep:
     captured: bool  # this step captured its graph (its results come from the eager run before)
 
 
-class Engine:
-    """One continuous-batching model runner of transformers, with CUDA graphs requested or not."""
+class Engine(ABC):
+    """One continuous-batching model runner of transformers, with CUDA graphs requested or not.
+
+    A subclass serves one layout of the paged KV cache: it names the option that sets the block
+    size, finds the block table and the trash blocks, and exposes the cache slot-major."""
+
+    # The layout of the releases this subclass serves (`pytest_graphmode.hf.versions`).
+    layout: Layout
+    # The ContinuousBatchingConfig field that sets how many tokens a block holds.
+    block_size_option: str
 
     def __init__(
         self, config: EngineConfig, *, seed: int, graphs: bool, device: torch.device
     ) -> None:
         self.version = check_version()
+        if layout_of(self.version) != self.layout:
+            oldest, beyond = LAYOUTS[self.layout]
+            raise UnsupportedTransformers(
+                f"{type(self).__name__} drives transformers {oldest[0]}.{oldest[1]} to "
+                f"{beyond[0]}.{beyond[1] - 1}, whose cache is laid out as {self.layout!r}; "
+                f"transformers {self.version} is installed: make the engine of its layout, "
+                f"{layout_of(self.version)!r}"
+            )
         self.config = config
         # transformers seeds the global generator while it builds its batch processor: the
         # caller's generator is left as it was, and a twin made after another draws the same.
@@ -122,11 +106,10 @@ class Engine:
             self._build(config, seed=seed, graphs=graphs, device=device)
         if device.type == "cuda":  # the warm-up ran on transformers' own compute stream
             torch.cuda.synchronize(device)
-        # The cache is allocated uninitialised and the warm-up wrote its fake requests into it:
-        # both twins start from zeros, as transformers' read-trash block must stay.
+        # The warm-up wrote its fake requests into the cache: both twins start from zeros, as
+        # transformers' read-trash block must stay.
         with torch.no_grad():
-            for tensor in self.kv_tensors():
-                tensor.zero_()
+            self._clear_cache()
 
     def _build(
         self, config: EngineConfig, *, seed: int, graphs: bool, device: torch.device
@@ -135,9 +118,10 @@ class Engine:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         self.model = llama(config, seed).to(device).eval()
-        # Paged SDPA named outright: left to choose, transformers switches to flash attention
-        # where a flash package or kernel is installed, and the path under test would vary by host.
-        self.model.set_attn_implementation("paged|sdpa")
+        attention, attention_options = self._attention(
+            {field.name for field in dataclasses.fields(ContinuousBatchingConfig)}
+        )
+        self.model.set_attn_implementation(attention)
         # Hooked before the warm-up, so the graphs it captures copy the logits out too.
         self._logits = torch.zeros(
             config.max_requests, config.vocab_size, dtype=self.model.dtype, device=device
@@ -147,7 +131,6 @@ class Engine:
         # caller does not know), no decode fast path (it needs flash attention on a GPU): the
         # varlen path, whose graphs are keyed by padded query and KV sizes, serves every batch.
         cb_config = ContinuousBatchingConfig(
-            block_size=config.block_size,
             num_blocks=config.num_blocks,
             max_batch_tokens=config.max_batch_tokens,
             max_requests_per_batch=config.max_requests,
@@ -158,6 +141,8 @@ class Engine:
             q_padding_interval_size=config.q_padding,
             kv_padding_interval_size=config.kv_padding,
             seed=seed,
+            **{self.block_size_option: config.block_size},
+            **attention_options,
         )
         generation = GenerationConfig(do_sample=False, eos_token_id=-1)
         self._manager: Any = self.model.init_continuous_batching(
@@ -172,44 +157,55 @@ class Engine:
         self._check_layout()
         self.graphs = bool(self._processor.cb_config.use_cuda_graph[0])
 
+    def _attention(self, cb_fields: set[str]) -> tuple[str, dict[str, Any]]:
+        """The attention implementation to set on the model, and the ContinuousBatchingConfig
+        options (among `cb_fields`) that keep transformers on it."""
+        # Paged SDPA named outright: left to choose, transformers switches to flash attention
+        # where a flash package or kernel is installed, and the path under test would vary by host.
+        return "paged|sdpa", {}
+
+    @abstractmethod
     def _check_layout(self) -> None:
-        # Sliding-window groups change how blocks map to slots; a tiny Llama has full attention only.
-        managers = self._cache.group_cache_managers
-        if len(managers) != 1 or type(managers[0]).__name__ != "FullAttentionCacheAllocator":
-            raise UnsupportedTransformers(
-                "the adapter drives full-attention models only (one layer group of "
-                f"FullAttentionCacheAllocator); this model has {[type(m).__name__ for m in managers]}"
-            )
-        expected = (self.config.num_blocks + 2) * self.config.block_size
-        if self._cache.key_cache[0].shape[0] != expected:
-            raise UnsupportedTransformers(
-                f"transformers {self.version} lays out its paged cache with "
-                f"{self._cache.key_cache[0].shape[0]} rows, not num_blocks + 2 trash blocks "
-                f"= {expected}"
-            )
+        """Check the cache is laid out as this subclass reads it; raise `UnsupportedTransformers`
+        otherwise."""
+
+    @abstractmethod
+    def _clear_cache(self) -> None:
+        """Zero the whole cache, trash blocks included."""
+
+    @abstractmethod
+    def _block_table(self) -> dict[str, list[int]]:
+        """The block table transformers reads a request's block ids from, keyed by request id."""
+
+    @property
+    @abstractmethod
+    def read_trash_block(self) -> int:
+        """The zeroed block padding tokens read from."""
+
+    @property
+    @abstractmethod
+    def write_trash_block(self) -> int:
+        """The block padding tokens write to; nothing reads it."""
+
+    @abstractmethod
+    def kv_tensors(self) -> list[Tensor]:
+        """Per layer, its key then its value cache, slot-major: [(num_blocks + 2) * block_size,
+        kv_heads, head_dim]."""
+
+    @abstractmethod
+    def _before_step(self) -> None:
+        """Runs before a batch is staged: where `kv_tensors` are not the cache itself, what the
+        caller wrote into them goes into the cache."""
+
+    @abstractmethod
+    def _after_step(self) -> None:
+        """Runs once a step's outputs are read: where `kv_tensors` are not the cache itself, the
+        step's writes go into them."""
 
     def _keep_logits(self, _module: Any, _inputs: Any, output: Tensor) -> None:
         # [1, padded_requests, vocab]: padded rows repeat a valid row; a replay repeats this copy.
         rows = output.shape[1]
         self._logits[:rows].copy_(output[0])
-
-    @property
-    def read_trash_block(self) -> int:
-        """The zeroed block padding tokens read from."""
-        return int(self._cache.read_trash_index) // self.config.block_size
-
-    @property
-    def write_trash_block(self) -> int:
-        """The block padding tokens write to; nothing reads it."""
-        return int(self._cache.write_trash_index) // self.config.block_size
-
-    def kv_tensors(self) -> list[Tensor]:
-        """Per layer, its key then its value cache: [(num_blocks + 2) * block_size, kv_heads, dim]."""
-        return [
-            t
-            for pair in zip(self._cache.key_cache, self._cache.value_cache, strict=True)
-            for t in pair
-        ]
 
     def run(self, requests: Sequence[EngineRequest]) -> EngineStep:
         """Stage `requests` with transformers' own padding, run its model runner, read the results."""
@@ -220,7 +216,7 @@ class Engine:
         )
 
         futures = []
-        (group,) = self._cache.group_cache_managers
+        table = self._block_table()
         for request in requests:
             name = f"graphmode-{request.request_id}"
             state = RequestState(request_id=name, initial_tokens=list(request.tokens))
@@ -230,16 +226,17 @@ class Engine:
             )
             state.tokens_to_process = list(request.tokens)
             state.position_offset = request.context_len
-            group.block_table[name] = list(request.block_ids)
+            table[name] = list(request.block_ids)
             futures.append(FutureRequestState(state, True, 0, len(request.tokens)))
         try:
             return self._run(futures, len(requests))
         finally:
             for request in requests:
-                group.block_table.pop(f"graphmode-{request.request_id}", None)
+                table.pop(f"graphmode-{request.request_id}", None)
 
     @torch.no_grad()
     def _run(self, futures: list[Any], num_requests: int) -> EngineStep:
+        self._before_step()
         num_q = sum(f.query_length for f in futures)
         kv_read = sum(f.state.position_offset for f in futures)
         padded_q, padded_kv = self._runner.maybe_pad_inputs(num_q, kv_read, False)
@@ -256,6 +253,7 @@ class Engine:
             graph_key=key,
             captured=len(self._io.graphs._storage) > graphs_before,
         )
+        self._after_step()
         # transformers' compute stream does not wait for the caller's: the copies above must have
         # read the static outputs before the next step's forward rewrites them.
         if self._logits.is_cuda:

@@ -17,11 +17,20 @@ from torch import Tensor
 
 from pytest_graphmode.contract import AddressView, Batch, StepResult, TargetSpec
 from pytest_graphmode.hf.engine import Engine, EngineConfig, EngineRequest
+from pytest_graphmode.hf.paged_tensors import PagedTensorsEngine
+from pytest_graphmode.hf.sector_cache import SectorCacheEngine
+from pytest_graphmode.hf.versions import Layout, installed_layout
 from pytest_graphmode.runtime import backends
 
 # transformers samples from the global generator and has no adapters: requests stay greedy and
 # on the base model. A query of several tokens after a context is one more varlen batch to it.
 FEATURES = frozenset({"decode", "prefill", "spec_decode", "weight_update"})
+
+# The engine for each cache layout (`pytest_graphmode.hf.versions` says which release has which).
+ENGINES: dict[Layout, type[Engine]] = {
+    "paged_tensors": PagedTensorsEngine,
+    "sector_cache": SectorCacheEngine,
+}
 
 
 class HFTarget:
@@ -40,13 +49,15 @@ class HFTarget:
         self._scope = backends.target_scope(backend)
         self._scope.__enter__()
         try:
-            self.engine = Engine(config, seed=seed, graphs=mode == "graph", device=device)
+            engine = ENGINES[installed_layout()]
+            self.engine = engine(config, seed=seed, graphs=mode == "graph", device=device)
         except BaseException:
             self._scope.__exit__(None, None, None)
             raise
-        # transformers' two trash blocks follow its own: the harness sees them as the last two
-        # blocks, the write trash as the null block. The read trash may be handed to a request:
-        # padding reads it under a mask, which needs it finite, as written KV is.
+        # transformers' two trash blocks are blocks of its cache like the others (after its own
+        # up to 5.17, before them from 5.18): the write trash is the null block. The read trash
+        # may be handed to a request: padding reads it under a mask, which needs it finite, as
+        # written KV is.
         self.spec = TargetSpec(
             num_blocks=config.num_blocks + 2,
             block_size=config.block_size,

@@ -45,6 +45,17 @@ def test_torch_cuda_names_resolve_to_the_sim_inside() -> None:
         torch.cuda.synchronize()
 
 
+def test_torchs_device_generic_names_answer_for_the_sim_inside() -> None:
+    # Runners written for any accelerator (transformers 5.19 onwards) ask these, not torch.cuda.
+    with drop_in():
+        assert torch.accelerator.is_available() and torch.accelerator.device_count() == 1
+        assert torch.accelerator.current_accelerator() == torch.device("cuda")
+        assert torch.get_device_module() is torch.cuda
+        assert torch.get_device_module("cuda:0") is torch.cuda
+        assert torch.get_device_module("cpu") is torch.cpu
+        torch.accelerator.synchronize()
+
+
 def test_another_device_is_refused() -> None:
     with drop_in(), pytest.raises(ValueError, match="one device, cuda:0"):
         torch.cuda.set_device(1)
@@ -84,12 +95,16 @@ def test_a_capture_through_torch_cuda_graph_replays_on_the_sim() -> None:
 
 def test_torch_cuda_is_restored_exactly_after_a_sim_campaign() -> None:
     before, generator = _torch_cuda(), torch.Generator
+    accelerator, device_module = dict(vars(torch.accelerator)), torch.get_device_module
     stats = run_campaign(make_target, backend="sim", max_examples=2, max_steps=4, seed=1)
     assert stats.failures == []
     after = _torch_cuda()
     assert after.keys() == before.keys()
     assert all(after[name] is before[name] for name in before)
     assert torch.Generator is generator
+    assert vars(torch.accelerator) == accelerator
+    assert all(vars(torch.accelerator)[name] is accelerator[name] for name in accelerator)
+    assert torch.get_device_module is device_module
     assert not is_active()
     assert torch.cuda.is_available() is cuda_available()
 
@@ -108,6 +123,7 @@ def test_without_a_gpu_is_available_is_false_again() -> None:
     with drop_in():
         assert torch.cuda.is_available()
     assert not torch.cuda.is_available()
+    assert not torch.accelerator.is_available()
 
 
 _LIBRARY = torch.library.Library("graphmode_sim_test", "DEF")

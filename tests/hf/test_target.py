@@ -9,9 +9,11 @@ import torch
 from pytest_graphmode.contract import Batch, Request, kv_slot
 from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.race_check import NO_STREAM_RACES
-from pytest_graphmode.hf.engine import EngineConfig, llama, support_problem
+from pytest_graphmode.hf.engine import EngineConfig, llama
 from pytest_graphmode.hf.target import HFTarget, make_target
+from pytest_graphmode.hf.versions import installed_layout, support_problem
 from pytest_graphmode.loader import check_twins
+from pytest_graphmode.strategies.stressors import poison_null_block
 
 pytest.importorskip("transformers")
 if (problem := support_problem()) is not None:
@@ -64,16 +66,56 @@ def test_a_decode_writes_one_slot_in_the_second_block(target: HFTarget) -> None:
         assert changed == [slot], name
 
 
-def test_state_is_the_engines_cache_with_its_trash_blocks_last(target: HFTarget) -> None:
+def test_state_is_the_engines_cache_with_its_trash_blocks(target: HFTarget) -> None:
     spec, config = target.spec, EngineConfig()
     assert spec.num_blocks == config.num_blocks + 2
-    assert spec.null_block == target.engine.write_trash_block == config.num_blocks + 1
+    # Up to 5.17 the read and write trash blocks follow the allocatable ones; from 5.18 they are
+    # the cache's first two sectors, one block each at these sizes.
+    trash = {"paged_tensors": (32, 33), "sector_cache": (0, 1)}[installed_layout()]
+    assert (target.engine.read_trash_block, target.engine.write_trash_block) == trash
+    assert spec.null_block == target.engine.write_trash_block
     state = target.state()
     assert len(state) == 2 * config.num_layers
     for tensor, engine_tensor in zip(state.values(), target.engine.kv_tensors(), strict=True):
         assert tensor.shape[0] == spec.num_slots
         assert tensor.data_ptr() == engine_tensor.data_ptr()
         assert not tensor.any()  # the warm-up's writes and the uninitialised memory are gone
+
+
+def test_a_state_copied_into_another_twin_is_what_its_next_step_reads(target: HFTarget) -> None:
+    # The harness restores kept twins and poisons blocks through state(): what it writes there
+    # must be what transformers' next step reads.
+    target.step(Batch((Request(1, PROMPT, 0, BLOCKS),)))
+    decode = Batch((Request(1, (4,), len(PROMPT), BLOCKS),))
+    other = make_target("eager", seed=3, backend="sim")
+    for name, tensor in other.state().items():
+        tensor.copy_(target.state()[name])
+    copied, expected = other.step(decode), target.step(decode)
+    other.close()
+    torch.testing.assert_close(copied.logits, expected.logits, rtol=0, atol=0)
+
+
+def test_nan_written_into_a_read_block_reaches_the_request(target: HFTarget) -> None:
+    target.step(Batch((Request(1, PROMPT, 0, BLOCKS),)))
+    first = BLOCKS[0] * target.spec.block_size
+    for tensor in target.state().values():
+        tensor[first : first + target.spec.block_size].fill_(float("nan"))
+    result = target.step(Batch((Request(1, (4,), len(PROMPT), BLOCKS),)))
+    assert result.logits.isnan().all()
+
+
+def test_padding_writes_only_the_nan_null_block_and_valid_results_stay_finite() -> None:
+    graph = make_target("graph", seed=3, backend="sim")
+    poison_null_block(graph.state(), graph.spec)
+    result = graph.step(Batch((Request(1, PROMPT, 0, BLOCKS),)))  # 10 tokens, padded to 16
+    null = graph.spec.null_block * graph.spec.block_size
+    state = {name: tensor.clone() for name, tensor in graph.state().items()}
+    graph.close()
+    assert result.logits.isfinite().all()
+    for name, tensor in state.items():
+        # Every padding token writes the sink's first slot; the rest keeps the poison.
+        assert tensor[null].isfinite().all(), name
+        assert tensor[null + 1 : null + graph.spec.block_size].isnan().all(), name
 
 
 def test_a_batch_of_requests_matches_each_request_alone() -> None:

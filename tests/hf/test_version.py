@@ -1,28 +1,50 @@
-"""The adapter admits only the transformers releases whose private surface it was written against."""
+"""The adapter admits exactly the transformers releases whose private surface it was written
+against, and picks the cache layout each one has."""
 
 import importlib.metadata
 
 import pytest
+import torch
 
-from pytest_graphmode.hf import engine
+from pytest_graphmode.hf import versions
+from pytest_graphmode.hf.engine import Engine, EngineConfig
+from pytest_graphmode.hf.paged_tensors import PagedTensorsEngine
+from pytest_graphmode.hf.sector_cache import SectorCacheEngine
+from pytest_graphmode.hf.target import ENGINES
 
 
-@pytest.mark.parametrize("version", ["5.12.1", "5.18.0", "6.0.0", "4.57.6"])
+@pytest.mark.parametrize("version", ["5.12.1", "5.25.0", "6.0.0", "4.57.6"])
 def test_an_unsupported_release_is_refused_with_the_range_to_install(
     monkeypatch: pytest.MonkeyPatch, version: str
 ) -> None:
     monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
-    with pytest.raises(engine.UnsupportedTransformers) as raised:
-        engine.check_version()
+    with pytest.raises(versions.UnsupportedTransformers) as raised:
+        versions.check_version()
     assert f"transformers {version} is installed" in str(raised.value)
-    assert "pip install 'transformers>=5.13,<5.18'" in str(raised.value)
+    assert "pip install 'transformers>=5.13,<5.25'" in str(raised.value)
+    assert versions.support_problem() == str(raised.value)
 
 
-@pytest.mark.parametrize("version", ["5.13.0", "5.14.1", "5.17.0", "5.17.3.dev0"])
-def test_a_supported_release_is_admitted(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+@pytest.mark.parametrize(
+    ("version", "layout"),
+    [
+        ("5.13.0", "paged_tensors"),
+        ("5.14.1", "paged_tensors"),
+        ("5.17.0", "paged_tensors"),
+        ("5.17.3.dev0", "paged_tensors"),
+        ("5.18.0", "sector_cache"),
+        ("5.21.0", "sector_cache"),
+        ("5.24.0", "sector_cache"),
+        ("5.24.1.dev0", "sector_cache"),
+    ],
+)
+def test_a_supported_release_is_admitted_with_its_layout(
+    monkeypatch: pytest.MonkeyPatch, version: str, layout: str
+) -> None:
     monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
-    assert engine.check_version() == version
-    assert engine.support_problem() is None
+    assert versions.check_version() == version
+    assert versions.support_problem() is None
+    assert versions.installed_layout() == layout
 
 
 def test_a_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -30,4 +52,22 @@ def test_a_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch)
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", missing)
-    assert "pip install 'pytest-graphmode[hf]'" in (engine.support_problem() or "")
+    assert "pip install 'pytest-graphmode[hf]'" in (versions.support_problem() or "")
+
+
+def test_every_layout_has_the_engine_that_declares_it() -> None:
+    assert set(ENGINES) == set(versions.LAYOUTS)
+    assert all(engine.layout == layout for layout, engine in ENGINES.items())
+
+
+@pytest.mark.parametrize(
+    ("version", "engine"), [("5.17.0", SectorCacheEngine), ("5.24.0", PagedTensorsEngine)]
+)
+def test_an_engine_refuses_a_release_of_the_other_layout(
+    monkeypatch: pytest.MonkeyPatch, version: str, engine: type[Engine]
+) -> None:
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
+    with pytest.raises(versions.UnsupportedTransformers) as raised:
+        engine(EngineConfig(), seed=0, graphs=False, device=torch.device("cpu"))
+    assert f"transformers {version} is installed" in str(raised.value)
+    assert f"make the engine of its layout, {versions.layout_of(version)!r}" in str(raised.value)

@@ -5,9 +5,11 @@ graph runner calls to the sim's objects: `CUDAGraph` is `SimGraph`, `graph(...)`
 capture, `Stream` / `Event` / `stream` / `current_stream` / `default_stream` / `synchronize` are
 the sim's streams, `is_available()` is True with one device, `cuda:0`. Device placement
 (`device="cuda"`, `.to`, `.cuda()`, `pin_memory=True`, `.pin_memory()`, `.is_pinned()`) is the sim
-device's, active with the backend, and `torch.Generator(device="cuda")` makes a `SimGenerator`. On
-exit every rebound name is put back as it was (the very same
-objects), so outside the block torch is exactly as before.
+device's, active with the backend, and `torch.Generator(device="cuda")` makes a `SimGenerator`.
+torch's device-generic entry points answer for the sim too: `torch.accelerator.is_available()` is
+True with one device, `cuda`, and `torch.get_device_module()` is `torch.cuda`. On exit every
+rebound name is put back as it was (the very same objects), so outside the block torch is exactly
+as before.
 
 Calls nest (a campaign's twins and its probe each enter it); only the outermost touches `torch.cuda`.
 What the sim cannot run fails at first use with `SimUnsupportedError`, which names the call.
@@ -34,6 +36,8 @@ much, as plain host memory."""
 _ABSENT = object()
 _depth = 0
 _originals: dict[str, Any] = {}
+# (module, name, original) of the names rebound outside torch.cuda
+_other_originals: list[tuple[Any, str, Any]] = []
 
 
 def is_active() -> bool:
@@ -55,7 +59,7 @@ def drop_in() -> Iterator[SimBackend]:
     backend.activate()
     try:
         if _depth == 0:
-            _install(_surface(backend))
+            _install(_surface(backend), _device_generic_surface(backend))
         _depth += 1
         try:
             yield backend
@@ -67,12 +71,15 @@ def drop_in() -> Iterator[SimBackend]:
         backend.deactivate()
 
 
-def _install(surface: dict[str, Any]) -> None:
+def _install(surface: dict[str, Any], others: list[tuple[Any, str, Any]]) -> None:
     _originals["Generator"] = torch.Generator
     torch.Generator = SimGenerator  # type: ignore[misc]
     for name, replacement in surface.items():
         _originals[name] = torch.cuda.__dict__.get(name, _ABSENT)
         setattr(torch.cuda, name, replacement)
+    for module, name, replacement in others:
+        _other_originals.append((module, name, module.__dict__.get(name, _ABSENT)))
+        setattr(module, name, replacement)
 
 
 def _restore() -> None:
@@ -83,6 +90,12 @@ def _restore() -> None:
         else:
             setattr(torch.cuda, name, original)
     _originals.clear()
+    for module, name, original in reversed(_other_originals):
+        if original is _ABSENT:
+            delattr(module, name)
+        else:
+            setattr(module, name, original)
+    _other_originals.clear()
 
 
 class SimGenerator(torch._C.Generator):
@@ -296,6 +309,33 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
         "set_rng_state_all": lambda states: torch.set_rng_state(states[0]),
     }
     return surface
+
+
+def _device_generic_surface(backend: SimBackend) -> list[tuple[Any, str, Any]]:
+    """The names outside `torch.cuda` that runners written for any accelerator ask (transformers
+    5.19 onwards does): without them, a host without a GPU answers "no accelerator, the CPU"."""
+    host_device_module = torch.get_device_module
+
+    def get_device_module(device: Any = None) -> Any:
+        # No device means the current accelerator, which is the sim's cuda:0 inside the block.
+        if device is None or is_sim_device(device):
+            return torch.cuda
+        return host_device_module(device)
+
+    def current_accelerator(check_available: bool = False) -> torch.device:
+        return torch.device("cuda")
+
+    def synchronize(device: Any = None) -> None:
+        _one_device(device)
+        backend.synchronize()
+
+    return [
+        (torch, "get_device_module", get_device_module),
+        (torch.accelerator, "is_available", lambda: True),
+        (torch.accelerator, "device_count", lambda: 1),
+        (torch.accelerator, "current_accelerator", current_accelerator),
+        (torch.accelerator, "synchronize", synchronize),
+    ]
 
 
 __all__ = [
