@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import hypothesis
@@ -262,3 +263,20 @@ def test_features_restrict_what_schedules_use():
 def test_features_the_target_lacks_are_refused():
     with pytest.raises(ValueError, match="does not support"):
         run_campaign(toy.make_target, features=frozenset({"decode", "multimodal"}))
+
+
+def test_a_campaign_freezes_the_heap_it_found_while_it_runs_and_only_then():
+    frozen: list[int] = []
+    run_campaign(
+        toy.make_target,
+        max_examples=2,
+        seed=1,
+        on_example=lambda *_: frozen.append(gc.get_freeze_count()),
+    )
+    assert min(frozen) > 0 and gc.get_freeze_count() == 0
+    gc.freeze()  # someone else's arrangement: left as it is
+    try:
+        run_campaign(toy.make_target, max_examples=2, seed=1)
+        assert gc.get_freeze_count() > 0  # not unfrozen by the campaign
+    finally:
+        gc.unfreeze()
