@@ -36,7 +36,8 @@ from pytest_graphmode.runtime.backends.sim.device import (
     mark_device,
 )
 from pytest_graphmode.runtime.backends.sim.happens_before import HOST, RaceChecker
-from pytest_graphmode.runtime.backends.sim.limits import check_runnable
+from pytest_graphmode.runtime.backends.sim.limits import unsupported_operator
+from pytest_graphmode.runtime.backends.sim.ops import OpFacts
 from pytest_graphmode.runtime.backends.sim.pool import SimCapturePool, SimPoolHandle, poison_
 from pytest_graphmode.runtime.backends.sim.streams import (
     SimEvent,
@@ -549,16 +550,16 @@ class SimBackend:
     def _note_call(
         self,
         stream: SimStream | None,
-        func: Any,
+        op: OpFacts,
         args: Any,
         kwargs: Any,
         result: Any,
         tensors: list[torch.Tensor],
     ) -> None:
-        if not ops.is_view(func) and func not in ops.EMPTY_OPS:
-            fresh = ops.fresh_outputs(func, result)
-            touched = ops.touched(func, args, kwargs, fresh, tensors)
-            self._note(stream, touched, ops.op_name(func))
+        if not op.quiet:
+            fresh = ops.fresh_outputs(op, result)
+            touched = ops.touched(op, args, kwargs, fresh, tensors)
+            self._note(stream, touched, op.name)
 
     def _after_watches(self, watches: list[Any], run: Callable[[], Any]) -> Callable[[], None]:
         """Queued work that first judges its watched pinned reads (host writes torch could not
@@ -586,6 +587,7 @@ class SimBackend:
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._passthrough:
             return func(*args, **kwargs)
+        op = ops.facts(func)
         tensors = _tensors(args, kwargs)
         placing = self._placing
         if placing is None:
@@ -594,24 +596,29 @@ class SimBackend:
         else:
             host, device = [], placing
         if not device:
-            return self._host_op(func, args, kwargs, tensors)
-        check_runnable(func)
+            return self._host_op(op, args, kwargs, tensors)
+        if not op.runnable:
+            raise unsupported_operator(func)
         if host:
-            if func is ops.aten.copy_.default:
+            if op.is_copy:
                 return self._cross(args, kwargs)
-            self._check_host_operands(func, args, host)
-        return mark_device(self._device_op(func, args, kwargs, tensors, bool(host)))
+            self._check_host_operands(op, args, host)
+        return mark_device(self._device_op(op, args, kwargs, tensors, bool(host)))
 
     def _host_op(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]
+        self,
+        op: OpFacts,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        tensors: list[torch.Tensor],
     ) -> Any:
         """Host code on host memory: it runs at once, whatever the device is doing."""
         self.scheduler.maybe_progress()  # the device keeps working while the host does
-        result = func(*args, **kwargs)
+        result = op.func(*args, **kwargs)
         # Only pinned memory is touched by queued device work: pageable memory crosses to and
         # from the device synchronously, so a host access to it has nothing to race with.
         if self._pinned and any(self.is_pinned(t) for t in tensors):
-            self._note_call(None, func, args, kwargs, result, tensors)
+            self._note_call(None, op, args, kwargs, result, tensors)
         return result
 
     def _cross(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -630,7 +637,7 @@ class SimBackend:
             active.ops_on[stream] += 1
             if stream is not active.origin:
                 active.unjoined[stream] = True
-            return active.capture.record(ops.aten.copy_.default, args, kwargs)
+            return active.capture.record(ops.facts(ops.aten.copy_.default), args, kwargs)
         self.scheduler.maybe_progress()
         if non_blocking and pinned:
             touched = [(src, False), (dst, True)]
@@ -648,7 +655,7 @@ class SimBackend:
 
     def _device_op(
         self,
-        func: Any,
+        op: OpFacts,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         tensors: list[torch.Tensor],
@@ -657,46 +664,48 @@ class SimBackend:
         """Device work: recorded in a capture, run at once on the default stream, else queued.
         `host_scalars`: a 0-dim host tensor is among the arguments (a kernel argument, read when
         the operation is issued)."""
+        func = op.func
         stream = self._current
         active = self._active
         if active is not None:
             if stream not in active.unjoined:
-                if active.error_mode != "relaxed" and ops.allocates(func):
+                if active.error_mode != "relaxed" and op.allocates:
                     raise active.capture.fail(
-                        f"{ops.op_name(func)} on a stream outside the capture needs a new "
+                        f"{op.name} on a stream outside the capture needs a new "
                         "allocation while a stream is capturing (operation not permitted when "
                         "stream is capturing): allocate before the capture, or capture with "
                         "capture_error_mode='relaxed'"
                     )
                 result = func(*args, **kwargs)  # not part of the capture: runs at once
-                self._note_call(stream, func, args, kwargs, result, tensors)
+                self._note_call(stream, op, args, kwargs, result, tensors)
                 return result
             self._check_seed(active)
             active.ops_on[stream] += 1
             if stream is not active.origin:
                 active.unjoined[stream] = True
-            return active.capture.record(func, args, kwargs)
+            return active.capture.record(op, args, kwargs)
         self.scheduler.maybe_progress()
-        if ops.capture_violation(func, args, kwargs) is not None:
-            self._note(stream, ops.touched(func, args, kwargs, ()), ops.op_name(func))
+        if ops.capture_violation(op, args, kwargs) is not None:
+            self._note(stream, ops.touched(op, args, kwargs, ()), op.name)
             self._host_waits_for(stream)  # a host read: it waits for the stream
             return func(*args, **kwargs)
         if stream is self._default:
             self.scheduler.drain(stream)
             result = func(*args, **kwargs)
-            self._note_call(stream, func, args, kwargs, result, tensors)
+            self._note_call(stream, op, args, kwargs, result, tensors)
             return result
         if host_scalars:
             args, kwargs = _baked(args), {k: _baked(v) for k, v in kwargs.items()}
-        return self._defer(stream, func, args, kwargs)
+        return self._defer(stream, op, args, kwargs)
 
     def _defer(
-        self, stream: SimStream, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, stream: SimStream, op: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """Queue an operation on a side stream; its fresh outputs are poison until it runs."""
-        if ops.is_view(func) or func in ops.EMPTY_OPS:
+        func = op.func
+        if op.quiet:
             return func(*args, **kwargs)  # metadata or allocation only: nothing to order
-        positions = ops.fresh_return_positions(func)
+        positions = op.fresh_positions
         metas = ops.meta_outputs(func, args, kwargs) if positions else []
         fresh = {}
         for p in positions:
@@ -710,36 +719,36 @@ class SimBackend:
             for p, out in fresh.items():
                 out.copy_(results[p])
 
-        touched = ops.touched(func, args, kwargs, list(fresh.values()))
-        self._note(stream, touched, ops.op_name(func))
+        touched = ops.touched(op, args, kwargs, list(fresh.values()))
+        self._note(stream, touched, op.name)
         written = [t for t, write in touched if write]
-        work = new_work(lambda: self._internal(run), ops.op_name(func), _storages(written))
+        work = new_work(lambda: self._internal(run), op.name, _storages(written))
         self.scheduler.enqueue(stream, work)
-        return ops.assemble_returns(func, args, kwargs, fresh)
+        return ops.assemble_returns(op, args, kwargs, fresh)
 
     def _check_host_operands(
-        self, func: Any, args: tuple[Any, ...], host: list[torch.Tensor]
+        self, op: OpFacts, args: tuple[Any, ...], host: list[torch.Tensor]
     ) -> None:
         """A device operation accepts host tensors only as 0-dim operands (kernel arguments) and,
         as torch does on CUDA, as the indices of advanced indexing, which it copies to the device
         first: a capture refuses that copy."""
-        if func in ops.INDEXING and all(any(t is i for i in ops.flat(args[1])) for t in host):
+        if op.indexing and all(any(t is i for i in ops.flat(args[1])) for t in host):
             active = self._active
             if active is not None and self._current in active.unjoined:
                 raise active.capture.fail(
-                    f"{ops.op_name(func)} with host indices cannot be captured: they are copied to "
+                    f"{op.name} with host indices cannot be captured: they are copied to "
                     "the device first (a blocking copy). Keep the indices on the device."
                 )
             return
-        _check_host_operands(func, host)
+        _check_host_operands(op, host)
 
 
-def _check_host_operands(func: Any, host: list[torch.Tensor]) -> None:
+def _check_host_operands(op: OpFacts, host: list[torch.Tensor]) -> None:
     for t in host:
         if t.dim() != 0:
             raise RuntimeError(
                 "Expected all tensors to be on the same device, but found at least two devices, "
-                f"{SIM_DEVICE} and cpu! ({ops.op_name(func)} got a host tensor of shape "
+                f"{SIM_DEVICE} and cpu! ({op.name} got a host tensor of shape "
                 f"{list(t.shape)}: copy it to the device first)"
             )
 

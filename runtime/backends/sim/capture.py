@@ -166,39 +166,40 @@ class Capture:
         self.invalid = self.invalid or message
         return CaptureError(message)
 
-    def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def record(self, op: ops.OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.invalid is not None:
             raise CaptureError(f"capture already invalidated: {self.invalid}")
-        problem = ops.capture_violation(func, args, kwargs)
+        problem = ops.capture_violation(op, args, kwargs)
         if problem is not None:
             raise self.fail(
-                f"{ops.op_name(func)} cannot be captured: {problem}. Move it out of the capture "
+                f"{op.name} cannot be captured: {problem}. Move it out of the capture "
                 "region, or keep the value on the device."
             )
-        if func in ops.CONSTANT_OPS:
+        func = op.func
+        if op.constant:
             return self._constant(args[0])
-        if func in ops.EMPTY_OPS:
+        if op.empty:
             return self._allocate(ops.meta_outputs(func, args, kwargs))[0][0]
         # Host tensors reach a captured operation only as 0-dim operands, which CUDA passes as
         # kernel arguments (their value now is baked in), and as the pinned side of a
         # non_blocking copy, which the graph reads or writes at every replay.
-        bake = func is not ops.aten.copy_.default
+        bake = not op.is_copy
         targs = [self._template(a, bake) for a in args]
         tkwargs = {k: self._template(v, bake) for k, v in kwargs.items()}
-        if ops.is_view(func):
+        if op.is_view:
             out = func(*args, **kwargs)
             outs = list(out) if isinstance(out, tuple | list) else [out]
             slots = [self._bind(o, self._new_slot(None)) for o in outs]
             self._instrs.append(_Instr(func, targs, tkwargs, slots, []))
             return out
-        positions = ops.fresh_return_positions(func)
+        positions = op.fresh_positions
         metas = ops.meta_outputs(func, args, kwargs) if positions else []
         fresh, slots = self._allocate([metas[p] for p in positions])
         self._instrs.append(
             _Instr(func, targs, tkwargs, None, list(zip(positions, slots, strict=True)))
         )
-        self._touch(ops.touched(func, args, kwargs, fresh))
-        return ops.assemble_returns(func, args, kwargs, dict(zip(positions, fresh, strict=True)))
+        self._touch(ops.touched(op, args, kwargs, fresh))
+        return ops.assemble_returns(op, args, kwargs, dict(zip(positions, fresh, strict=True)))
 
     def finish(self) -> Program:
         """Freeze the program; views of owned memory are computed once here."""

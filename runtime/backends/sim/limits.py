@@ -31,16 +31,16 @@ _RUNNABLE_KEYS = (
     "CompositeExplicitAutogradNonFunctional",
     "CompositeImplicitAutograd",
 )
-_runnable: dict[Any, bool] = {}
 
 
-def check_runnable(func: Any) -> None:
-    """Raise `SimUnsupportedError` for an operator only a GPU can run (decided once per op)."""
-    known = _runnable.get(func)
-    if known is None:
-        name = func.name()
-        has = torch._C._dispatch_has_kernel_for_dispatch_key
-        known = not has(name, "CUDA") or any(has(name, key) for key in _RUNNABLE_KEYS)
-        _runnable[func] = known
-    if not known:
-        raise SimUnsupportedError(f"operator {func.name()} (it has a CUDA kernel only)")
+def runnable(func: Any) -> bool:
+    """Whether the sim can run `func`: it has no CUDA kernel, or it has a kernel the sim can run
+    on CPU storage (asked once per operation: `ops.facts`)."""
+    name = func.name()
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return not has(name, "CUDA") or any(has(name, key) for key in _RUNNABLE_KEYS)
+
+
+def unsupported_operator(func: Any) -> SimUnsupportedError:
+    """The error for an operator only a GPU can run."""
+    return SimUnsupportedError(f"operator {func.name()} (it has a CUDA kernel only)")
