@@ -89,14 +89,22 @@ class _Active:
     ops_on: dict[SimStream, int] = field(default_factory=dict)
 
 
-def _tensors(args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    found = []
-    for x in (*args, *kwargs.values()):
+def _tensors(args: Any, kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensor arguments of a call (lists flattened), and those of them on the host."""
+    found: list[torch.Tensor] = []
+    host: list[torch.Tensor] = []
+    for x in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(x, torch.Tensor):
             found.append(x)
+            if not isinstance(x, SimDeviceTensor):
+                host.append(x)
         elif isinstance(x, list | tuple):
-            found.extend(i for i in x if isinstance(i, torch.Tensor))
-    return found
+            for i in x:
+                if isinstance(i, torch.Tensor):
+                    found.append(i)
+                    if not isinstance(i, SimDeviceTensor):
+                        host.append(i)
+    return found, host
 
 
 class SimGraph:
@@ -556,10 +564,23 @@ class SimBackend:
         result: Any,
         tensors: list[torch.Tensor],
     ) -> None:
-        if not op.quiet:
-            fresh = ops.fresh_outputs(op, result)
-            touched = ops.touched(op, args, kwargs, fresh, tensors)
-            self._note(stream, touched, op.name)
+        """`_note` of a call that ran: its tensor arguments (`tensors`) and fresh outputs, in one
+        pass (ops.touched, without its intermediate list: this runs for every eager operation)."""
+        if op.quiet:
+            return
+        written = ops.written_args(op, args, kwargs) if op.written_positions else ()
+        found = []
+        of = footprint.of
+        for t in tensors:
+            located = of(t)
+            if located is not None:
+                found.append((located[0], located[1], any(t is w for w in written)))
+        for t in ops.fresh_outputs(op, result):
+            located = of(t)
+            if located is not None:
+                found.append((located[0], located[1], True))
+        races = self._races
+        races.access(HOST if stream is None else races.agent(stream), found, op.name)
 
     def _after_watches(self, watches: list[Any], run: Callable[[], Any]) -> Callable[[], None]:
         """Queued work that first judges its watched pinned reads (host writes torch could not
@@ -588,10 +609,9 @@ class SimBackend:
         if self._passthrough:
             return func(*args, **kwargs)
         op = ops.facts(func)
-        tensors = _tensors(args, kwargs)
+        tensors, host = _tensors(args, kwargs)
         placing = self._placing
         if placing is None:
-            host = [t for t in tensors if not isinstance(t, SimDeviceTensor)]
             device = len(host) < len(tensors)
         else:
             host, device = [], placing

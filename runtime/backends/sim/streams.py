@@ -86,7 +86,7 @@ class StreamScheduler:
 
     def maybe_progress(self) -> None:
         """A scheduling point: perhaps run one queued item of a random stream."""
-        if self._running or not self.pending():
+        if self._running or not self._queues:
             return
         if self._rng.random() >= self.EAGERNESS:
             return
