@@ -525,7 +525,7 @@ class SimBackend:
         watches = self._watch_pinned_reads(accesses, storages)
 
         run = self._after_watches(watches, program.run)
-        self.scheduler.enqueue(self._current, new_work(run, "graph replay", None))
+        self.scheduler.enqueue(self._current, new_work(run, "graph replay"))
 
     # -- dispatch ------------------------------------------------------------------------------
 
@@ -568,13 +568,19 @@ class SimBackend:
         pass (ops.touched, without its intermediate list: this runs for every eager operation)."""
         if op.quiet:
             return
-        written = ops.written_args(op, args, kwargs) if op.written_positions else ()
         found = []
         of = footprint.of
-        for t in tensors:
-            located = of(t)
-            if located is not None:
-                found.append((located[0], located[1], any(t is w for w in written)))
+        if op.written_positions:
+            written = ops.written_args(op, args, kwargs)
+            for t in tensors:
+                located = of(t)
+                if located is not None:
+                    found.append((located[0], located[1], any(t is w for w in written)))
+        else:
+            for t in tensors:
+                located = of(t)
+                if located is not None:
+                    found.append((located[0], located[1], False))
         for t in ops.fresh_outputs(op, result):
             located = of(t)
             if located is not None:
@@ -665,7 +671,7 @@ class SimBackend:
             reads = [access for access in accesses if not access.write]
             watches = self._watch_pinned_reads(reads, [src.untyped_storage()] * len(reads))
             copy = self._after_watches(watches, lambda: dst.copy_(src))
-            self.scheduler.enqueue(stream, new_work(copy, "async copy", _storages([dst])))
+            self.scheduler.enqueue(stream, new_work(copy, "async copy"))
             return dst
         # A blocking copy, or one with pageable memory: in stream order on the current stream,
         # and the host waits for it (a pageable source is staged before the call returns).
@@ -726,7 +732,7 @@ class SimBackend:
         if op.quiet:
             return func(*args, **kwargs)  # metadata or allocation only: nothing to order
         positions = op.fresh_positions
-        metas = ops.meta_outputs(func, args, kwargs) if positions else []
+        metas = ops.meta_outputs(op, args, kwargs) if positions else []
         fresh = {}
         for p in positions:
             out = torch.empty_strided(metas[p].shape, metas[p].stride(), dtype=metas[p].dtype)
@@ -741,9 +747,7 @@ class SimBackend:
 
         touched = ops.touched(op, args, kwargs, list(fresh.values()))
         self._note(stream, touched, op.name)
-        written = [t for t, write in touched if write]
-        work = new_work(lambda: self._internal(run), op.name, _storages(written))
-        self.scheduler.enqueue(stream, work)
+        self.scheduler.enqueue(stream, new_work(lambda: self._internal(run), op.name))
         return ops.assemble_returns(op, args, kwargs, fresh)
 
     def _check_host_operands(
@@ -790,14 +794,6 @@ def _crossing_refused(upload: bool, non_blocking: bool) -> str:
         "memory (backend.empty_pinned, pin_memory=True) is recorded into a graph; copy before or "
         "after the capture, or stage through pinned memory."
     )
-
-
-def _storage(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().data_ptr())
-
-
-def _storages(tensors: list[torch.Tensor]) -> frozenset[int]:
-    return frozenset(_storage(t) for t in tensors)
 
 
 def _release_block(pool: Any, block: torch.Tensor) -> None:

@@ -179,7 +179,7 @@ class Capture:
         if op.constant:
             return self._constant(args[0])
         if op.empty:
-            return self._allocate(ops.meta_outputs(func, args, kwargs))[0][0]
+            return self._allocate(ops.meta_outputs(op, args, kwargs))[0][0]
         # Host tensors reach a captured operation only as 0-dim operands, which CUDA passes as
         # kernel arguments (their value now is baked in), and as the pinned side of a
         # non_blocking copy, which the graph reads or writes at every replay.
@@ -193,7 +193,7 @@ class Capture:
             self._instrs.append(_Instr(func, targs, tkwargs, slots, []))
             return out
         positions = op.fresh_positions
-        metas = ops.meta_outputs(func, args, kwargs) if positions else []
+        metas = ops.meta_outputs(op, args, kwargs) if positions else []
         fresh, slots = self._allocate([metas[p] for p in positions])
         self._instrs.append(
             _Instr(func, targs, tkwargs, None, list(zip(positions, slots, strict=True)))

@@ -223,25 +223,32 @@ _META_CACHE: dict[Any, list[Any]] = {}
 _META_CACHE_LIMIT = 4096
 
 
-def _signature(x: Any) -> Any:
-    """A hashable stand-in for an argument as far as output metadata goes (a tensor's layout, a
-    list's items); raises TypeError for anything unhashable."""
-    if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype)
-    if isinstance(x, list | tuple):
-        return tuple(_signature(i) for i in x)
-    hash(x)
-    return x
+def _signature(items: Sequence[Any]) -> tuple[Any, ...]:
+    """A hashable stand-in for a sequence of arguments as far as output metadata goes (a tensor's
+    layout, a list's items, a scalar with its type: 1, 1.0 and True are equal keys but make
+    different dtypes); raises TypeError for anything unhashable."""
+    found: list[Any] = []
+    for x in items:
+        if isinstance(x, torch.Tensor):
+            found.append(("tensor", x.shape, x.stride(), x.dtype))
+        elif isinstance(x, list | tuple):
+            found.append(_signature(x))
+        else:
+            hash(x)
+            found.append((x.__class__, x))
+    return tuple(found)
 
 
-def meta_outputs(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+def meta_outputs(op: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
     """The call's returns computed on the meta device (shapes, strides, dtypes; no data).
 
     Memoised by argument layout: a runner captures the same shapes over and over, and running an
-    operation on the meta device costs far more than looking its result up.
+    operation on the meta device costs far more than looking its result up. Keyed by the
+    operation's facts, which hash by identity and live as long as the process (`facts`).
     """
+    func = op.func
     try:
-        key = (func, _signature(list(args)), _signature(sorted(kwargs.items())))
+        key = (op, _signature(args), _signature(sorted(kwargs.items())) if kwargs else ())
     except TypeError:
         return _compute_meta_outputs(func, args, kwargs)
     cached = _META_CACHE.get(key)
