@@ -59,6 +59,31 @@ def _resolve(x: Any, env: list[Any]) -> Any:
     return x
 
 
+_Planned = tuple[
+    Any,
+    list[Any],
+    tuple[tuple[int, int], ...],
+    tuple[int, ...],
+    dict[str, Any],
+    bool,
+    list[int] | None,
+    list[tuple[int, int]],
+]
+"""An instruction as a replay runs it (`_plan`); a tuple, unpacked once per instruction."""
+
+
+def _plan(ins: _Instr) -> _Planned:
+    """How one instruction's arguments are filled in at each replay: the template's top-level
+    references are set by position, only nested lists are walked, and keyword arguments are
+    resolved only when they hold a reference."""
+    direct = tuple((i, a.idx) for i, a in enumerate(ins.args) if type(a) is Ref)
+    nested = tuple(
+        i for i, a in enumerate(ins.args) if (type(a) is list or type(a) is tuple) and _has_ref(a)
+    )
+    kwargs_refs = any(_has_ref(v) for v in ins.kwargs.values())
+    return (ins.func, ins.args, direct, nested, ins.kwargs, kwargs_refs, ins.view_outs, ins.fresh)
+
+
 def _has_ref(x: Any) -> bool:
     if type(x) is Ref:
         return True
@@ -89,7 +114,7 @@ class Program:
     ) -> None:
         self._env = env
         self._externals = externals
-        self._instrs = instrs
+        self._plans = [_plan(ins) for ins in instrs]
         self.accesses = accesses
         self._first_reader: dict[int, str] = {}
         for ins in instrs:
@@ -99,27 +124,42 @@ class Program:
     def check_alive(self) -> None:
         """Raise UseAfterFreeError now if any external memory the program reads is gone."""
         for ext in self._externals:
-            self._materialize(ext)
+            self._storage(ext)
 
     def run(self) -> None:
         env = list(self._env)
         for ext in self._externals:
-            env[ext.idx] = self._materialize(ext)
+            t = torch.empty(0, dtype=ext.dtype)
+            env[ext.idx] = t.set_(self._storage(ext), ext.offset, ext.shape, ext.stride)
         with torch.no_grad():
-            for ins in self._instrs:
-                args = [_resolve(a, env) for a in ins.args]
-                kwargs = {k: _resolve(v, env) for k, v in ins.kwargs.items()}
-                out = ins.func(*args, **kwargs)
-                if ins.view_outs is not None:
-                    outs = out if isinstance(out, tuple | list) else [out]
-                    for slot, value in zip(ins.view_outs, outs, strict=True):
+            for (
+                func,
+                template,
+                direct,
+                nested,
+                kwargs,
+                kwargs_refs,
+                view_outs,
+                fresh,
+            ) in self._plans:
+                args = template.copy()
+                for i, slot in direct:
+                    args[i] = env[slot]
+                for i in nested:
+                    args[i] = _resolve(args[i], env)
+                if kwargs_refs:
+                    kwargs = {k: _resolve(v, env) for k, v in kwargs.items()}
+                out = func(*args, **kwargs)
+                outs = out if isinstance(out, tuple | list) else [out]
+                if view_outs is not None:
+                    for slot, value in zip(view_outs, outs, strict=True):
                         env[slot] = value
                 else:
-                    outs = out if isinstance(out, tuple | list) else [out]
-                    for pos, slot in ins.fresh:
+                    for pos, slot in fresh:
                         env[slot].copy_(outs[pos])
 
-    def _materialize(self, ext: _External) -> torch.Tensor:
+    def _storage(self, ext: _External) -> torch.UntypedStorage:
+        """The storage of an external tensor, still where the capture saw it."""
         storage = ext.storage()
         reader = self._first_reader.get(ext.idx, "the graph")
         if storage is None or storage.data_ptr() != ext.address:
@@ -129,8 +169,7 @@ class Program:
                 f"{reader}. A graph keeps addresses, not tensors: keep that tensor alive and update "
                 "it in place (copy_) instead of rebinding or resizing it, or capture again."
             )
-        t = torch.empty(0, dtype=ext.dtype)
-        return t.set_(storage, ext.offset, ext.shape, ext.stride)
+        return storage
 
 
 def _refs(args: list[Any], kwargs: dict[str, Any]) -> list[int]:
