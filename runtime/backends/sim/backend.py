@@ -735,7 +735,7 @@ class SimBackend:
         metas = ops.meta_outputs(op, args, kwargs) if positions else []
         fresh = {}
         for p in positions:
-            out = torch.empty_strided(metas[p].shape, metas[p].stride(), dtype=metas[p].dtype)
+            out = torch.empty_strided(metas[p].shape, metas[p].stride, dtype=metas[p].dtype)
             poison_(out)
             fresh[p] = out
 

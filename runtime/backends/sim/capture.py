@@ -265,10 +265,11 @@ class Capture:
         return Program(env, self._externals, kept, accesses)
 
     def _touch(self, touched: list[tuple[torch.Tensor, bool]]) -> None:
+        known = self._touched
         for t, write in touched:
             found = footprint.of(t)
-            if found is not None:
-                self._touched.setdefault((found[1], write), weakref.ref(found[0]))
+            if found is not None and (found[1], write) not in known:
+                known[(found[1], write)] = weakref.ref(found[0])
 
     # -- values ---------------------------------------------------------------------------------
 
@@ -317,20 +318,16 @@ class Capture:
         self._bind(t, slot)
         return t
 
-    def _allocate(self, metas: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    def _allocate(self, metas: list[ops.Layout]) -> tuple[list[torch.Tensor], list[int]]:
         """Pool-backed, poisoned outputs: one tensor for the program, one handed to the caller."""
         fresh, slots = [], []
         for meta in metas:
-            block = self.pool.allocate(ops.storage_bytes(meta))
-            offset = block.storage_offset() // meta.element_size()
+            block = self.pool.allocate(meta.nbytes)
+            offset = block.storage_offset() // meta.itemsize
             storage = block.untyped_storage()
-            owned = torch.empty(0, dtype=meta.dtype).set_(
-                storage, offset, meta.shape, meta.stride()
-            )
+            owned = torch.empty(0, dtype=meta.dtype).set_(storage, offset, meta.shape, meta.stride)
             poison_(owned)
-            handed = torch.empty(0, dtype=meta.dtype).set_(
-                storage, offset, meta.shape, meta.stride()
-            )
+            handed = torch.empty(0, dtype=meta.dtype).set_(storage, offset, meta.shape, meta.stride)
             # The block returns to the pool when the caller drops its tensor (and every view of it),
             # as a CUDA graph pool block does; the program's own handle does not keep it reserved.
             weakref.finalize(handed, self._release, self.pool, block)

@@ -9,7 +9,7 @@ at all (it reads device values on the host or has a data-dependent output shape)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_map
@@ -239,8 +239,30 @@ def _signature(items: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(found)
 
 
+class Layout(NamedTuple):
+    """The metadata of a fresh output, without a tensor (`meta_outputs` hands these out)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    itemsize: int
+    nbytes: int  # bytes its shape and stride span
+
+
+def _layout(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    shape, stride = tuple(t.shape), tuple(t.stride())
+    itemsize = t.element_size()
+    if t.numel() == 0:
+        nbytes = 0
+    else:
+        nbytes = (1 + sum((n - 1) * step for n, step in zip(shape, stride, strict=True))) * itemsize
+    return Layout(shape, stride, t.dtype, itemsize, nbytes)
+
+
 def meta_outputs(op: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
-    """The call's returns computed on the meta device (shapes, strides, dtypes; no data).
+    """The layouts of the call's returns, computed on the meta device (no data).
 
     Memoised by argument layout: a runner captures the same shapes over and over, and running an
     operation on the meta device costs far more than looking its result up. Keyed by the
@@ -278,15 +300,7 @@ def _compute_meta_outputs(func: Any, args: Sequence[Any], kwargs: dict[str, Any]
             lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (list(args), dict(kwargs))
         )
         out = func(*cargs, **ckwargs)
-    return list(out) if isinstance(out, tuple | list) else [out]
-
-
-def storage_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor with this shape and stride spans."""
-    if t.numel() == 0:
-        return 0
-    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return span * t.element_size()
+    return [_layout(t) for t in out] if isinstance(out, tuple | list) else [_layout(out)]
 
 
 def assemble_returns(
