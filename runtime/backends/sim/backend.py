@@ -36,7 +36,7 @@ from pytest_graphmode.runtime.backends.sim.device import (
     mark_device,
 )
 from pytest_graphmode.runtime.backends.sim.happens_before import HOST, RaceChecker
-from pytest_graphmode.runtime.backends.sim.limits import unsupported_operator
+from pytest_graphmode.runtime.backends.sim.limits import check_runnable
 from pytest_graphmode.runtime.backends.sim.ops import OpFacts
 from pytest_graphmode.runtime.backends.sim.pool import SimCapturePool, SimPoolHandle, poison_
 from pytest_graphmode.runtime.backends.sim.streams import (
@@ -623,8 +623,8 @@ class SimBackend:
             host, device = [], placing
         if not device:
             return self._host_op(op, args, kwargs, tensors)
-        if not op.runnable:
-            raise unsupported_operator(func)
+        if op.runnable is not True:
+            check_runnable(op)
         if host:
             if op.is_copy:
                 return self._cross(args, kwargs)

@@ -8,9 +8,12 @@ hardware (driver calls, device properties beyond the plausible ones the drop-in 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pytest_graphmode.runtime.backends.sim.ops import OpFacts
 
 
 class SimUnsupportedError(RuntimeError):
@@ -33,14 +36,12 @@ _RUNNABLE_KEYS = (
 )
 
 
-def runnable(func: Any) -> bool:
-    """Whether the sim can run `func`: it has no CUDA kernel, or it has a kernel the sim can run
-    on CPU storage (asked once per operation: `ops.facts`)."""
-    name = func.name()
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
-    return not has(name, "CUDA") or any(has(name, key) for key in _RUNNABLE_KEYS)
-
-
-def unsupported_operator(func: Any) -> SimUnsupportedError:
-    """The error for an operator only a GPU can run."""
-    return SimUnsupportedError(f"operator {func.name()} (it has a CUDA kernel only)")
+def check_runnable(op: OpFacts) -> None:
+    """Raise `SimUnsupportedError` for an operator only a GPU can run (decided once per op, and
+    kept in its facts)."""
+    if op.runnable is None:
+        name = op.func.name()
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        op.runnable = not has(name, "CUDA") or any(has(name, key) for key in _RUNNABLE_KEYS)
+    if not op.runnable:
+        raise SimUnsupportedError(f"operator {op.func.name()} (it has a CUDA kernel only)")

@@ -14,8 +14,6 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_map
 
-from pytest_graphmode.runtime.backends.sim.limits import runnable
-
 aten = torch.ops.aten
 
 # Reading a device value on the host, or producing a shape only known after computing.
@@ -125,7 +123,9 @@ class OpFacts:
         self.indexing = func in INDEXING
         self.constant = func in CONSTANT_OPS
         self.is_copy = func is aten.copy_.default
-        self.runnable = runnable(func)
+        # Whether the CPU can run it, asked of device operations only (limits.check_runnable):
+        # None until then.
+        self.runnable: bool | None = None
 
 
 _FACTS: dict[int, OpFacts] = {}
