@@ -722,12 +722,19 @@ class SimBackend:
             return result
         if host_scalars:
             args, kwargs = _baked(args), {k: _baked(v) for k, v in kwargs.items()}
-        return self._defer(stream, op, args, kwargs)
+            return self._defer(stream, op, args, kwargs, None)
+        return self._defer(stream, op, args, kwargs, tensors)
 
     def _defer(
-        self, stream: SimStream, op: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        stream: SimStream,
+        op: OpFacts,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        tensors: list[torch.Tensor] | None,
     ) -> Any:
-        """Queue an operation on a side stream; its fresh outputs are poison until it runs."""
+        """Queue an operation on a side stream; its fresh outputs are poison until it runs.
+        `tensors`: its tensor arguments, when the caller has them (ops.touched)."""
         func = op.func
         if op.quiet:
             return func(*args, **kwargs)  # metadata or allocation only: nothing to order
@@ -745,7 +752,7 @@ class SimBackend:
             for p, out in fresh.items():
                 out.copy_(results[p])
 
-        touched = ops.touched(op, args, kwargs, list(fresh.values()))
+        touched = ops.touched(op, args, kwargs, list(fresh.values()), tensors)
         self._note(stream, touched, op.name)
         self.scheduler.enqueue(stream, new_work(lambda: self._internal(run), op.name))
         return ops.assemble_returns(op, args, kwargs, fresh)
