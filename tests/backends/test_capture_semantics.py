@@ -45,6 +45,18 @@ def test_sim_outputs_are_poisoned_until_first_replay(sim):
     assert torch.equal(k, torch.arange(3, device=sim.device) * 2)
 
 
+def test_captured_outputs_take_their_dtype_from_the_scalar_type(be):
+    # 1 and 1.0 are equal (and hash alike) in Python, but make int64 and float32 tensors.
+    g = be.Graph()
+    with be.graph(g):
+        ints = torch.full((4,), 1, device=be.device)
+        floats = torch.full((4,), 1.0, device=be.device)
+    g.replay()
+    be.synchronize()
+    assert (ints.dtype, floats.dtype) == (torch.int64, torch.float32)
+    assert torch.equal(floats, torch.ones(4, device=be.device))
+
+
 def test_replay_reads_current_contents_copy_changes_rebinding_does_not(be):
     x = torch.ones(4, device=be.device)
     g = be.Graph()

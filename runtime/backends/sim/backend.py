@@ -37,6 +37,7 @@ from pytest_graphmode.runtime.backends.sim.device import (
 )
 from pytest_graphmode.runtime.backends.sim.happens_before import HOST, RaceChecker
 from pytest_graphmode.runtime.backends.sim.limits import check_runnable
+from pytest_graphmode.runtime.backends.sim.ops import OpFacts
 from pytest_graphmode.runtime.backends.sim.pool import SimCapturePool, SimPoolHandle, poison_
 from pytest_graphmode.runtime.backends.sim.streams import (
     SimEvent,
@@ -88,14 +89,22 @@ class _Active:
     ops_on: dict[SimStream, int] = field(default_factory=dict)
 
 
-def _tensors(args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    found = []
-    for x in (*args, *kwargs.values()):
+def _tensors(args: Any, kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensor arguments of a call (lists flattened), and those of them on the host."""
+    found: list[torch.Tensor] = []
+    host: list[torch.Tensor] = []
+    for x in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(x, torch.Tensor):
             found.append(x)
+            if not isinstance(x, SimDeviceTensor):
+                host.append(x)
         elif isinstance(x, list | tuple):
-            found.extend(i for i in x if isinstance(i, torch.Tensor))
-    return found
+            for i in x:
+                if isinstance(i, torch.Tensor):
+                    found.append(i)
+                    if not isinstance(i, SimDeviceTensor):
+                        host.append(i)
+    return found, host
 
 
 class SimGraph:
@@ -516,7 +525,7 @@ class SimBackend:
         watches = self._watch_pinned_reads(accesses, storages)
 
         run = self._after_watches(watches, program.run)
-        self.scheduler.enqueue(self._current, new_work(run, "graph replay", None))
+        self.scheduler.enqueue(self._current, new_work(run, "graph replay"))
 
     # -- dispatch ------------------------------------------------------------------------------
 
@@ -549,16 +558,35 @@ class SimBackend:
     def _note_call(
         self,
         stream: SimStream | None,
-        func: Any,
+        op: OpFacts,
         args: Any,
         kwargs: Any,
         result: Any,
         tensors: list[torch.Tensor],
     ) -> None:
-        if not ops.is_view(func) and func not in ops.EMPTY_OPS:
-            fresh = ops.fresh_outputs(func, result)
-            touched = ops.touched(func, args, kwargs, fresh, tensors)
-            self._note(stream, touched, ops.op_name(func))
+        """`_note` of a call that ran: its tensor arguments (`tensors`) and fresh outputs, in one
+        pass (ops.touched, without its intermediate list: this runs for every eager operation)."""
+        if op.quiet:
+            return
+        found = []
+        of = footprint.of
+        if op.written_positions:
+            written = ops.written_args(op, args, kwargs)
+            for t in tensors:
+                located = of(t)
+                if located is not None:
+                    found.append((located[0], located[1], any(t is w for w in written)))
+        else:
+            for t in tensors:
+                located = of(t)
+                if located is not None:
+                    found.append((located[0], located[1], False))
+        for t in ops.fresh_outputs(op, result):
+            located = of(t)
+            if located is not None:
+                found.append((located[0], located[1], True))
+        races = self._races
+        races.access(HOST if stream is None else races.agent(stream), found, op.name)
 
     def _after_watches(self, watches: list[Any], run: Callable[[], Any]) -> Callable[[], None]:
         """Queued work that first judges its watched pinned reads (host writes torch could not
@@ -586,32 +614,37 @@ class SimBackend:
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._passthrough:
             return func(*args, **kwargs)
-        tensors = _tensors(args, kwargs)
+        op = ops.facts(func)
+        tensors, host = _tensors(args, kwargs)
         placing = self._placing
         if placing is None:
-            host = [t for t in tensors if not isinstance(t, SimDeviceTensor)]
             device = len(host) < len(tensors)
         else:
             host, device = [], placing
         if not device:
-            return self._host_op(func, args, kwargs, tensors)
-        check_runnable(func)
+            return self._host_op(op, args, kwargs, tensors)
+        if op.runnable is not True:
+            check_runnable(op)
         if host:
-            if func is ops.aten.copy_.default:
+            if op.is_copy:
                 return self._cross(args, kwargs)
-            self._check_host_operands(func, args, host)
-        return mark_device(self._device_op(func, args, kwargs, tensors, bool(host)))
+            self._check_host_operands(op, args, host)
+        return mark_device(self._device_op(op, args, kwargs, tensors, bool(host)))
 
     def _host_op(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[torch.Tensor]
+        self,
+        op: OpFacts,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        tensors: list[torch.Tensor],
     ) -> Any:
         """Host code on host memory: it runs at once, whatever the device is doing."""
         self.scheduler.maybe_progress()  # the device keeps working while the host does
-        result = func(*args, **kwargs)
+        result = op.func(*args, **kwargs)
         # Only pinned memory is touched by queued device work: pageable memory crosses to and
         # from the device synchronously, so a host access to it has nothing to race with.
         if self._pinned and any(self.is_pinned(t) for t in tensors):
-            self._note_call(None, func, args, kwargs, result, tensors)
+            self._note_call(None, op, args, kwargs, result, tensors)
         return result
 
     def _cross(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -630,7 +663,7 @@ class SimBackend:
             active.ops_on[stream] += 1
             if stream is not active.origin:
                 active.unjoined[stream] = True
-            return active.capture.record(ops.aten.copy_.default, args, kwargs)
+            return active.capture.record(ops.facts(ops.aten.copy_.default), args, kwargs)
         self.scheduler.maybe_progress()
         if non_blocking and pinned:
             touched = [(src, False), (dst, True)]
@@ -638,7 +671,7 @@ class SimBackend:
             reads = [access for access in accesses if not access.write]
             watches = self._watch_pinned_reads(reads, [src.untyped_storage()] * len(reads))
             copy = self._after_watches(watches, lambda: dst.copy_(src))
-            self.scheduler.enqueue(stream, new_work(copy, "async copy", _storages([dst])))
+            self.scheduler.enqueue(stream, new_work(copy, "async copy"))
             return dst
         # A blocking copy, or one with pageable memory: in stream order on the current stream,
         # and the host waits for it (a pageable source is staged before the call returns).
@@ -648,7 +681,7 @@ class SimBackend:
 
     def _device_op(
         self,
-        func: Any,
+        op: OpFacts,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         tensors: list[torch.Tensor],
@@ -657,50 +690,59 @@ class SimBackend:
         """Device work: recorded in a capture, run at once on the default stream, else queued.
         `host_scalars`: a 0-dim host tensor is among the arguments (a kernel argument, read when
         the operation is issued)."""
+        func = op.func
         stream = self._current
         active = self._active
         if active is not None:
             if stream not in active.unjoined:
-                if active.error_mode != "relaxed" and ops.allocates(func):
+                if active.error_mode != "relaxed" and op.allocates:
                     raise active.capture.fail(
-                        f"{ops.op_name(func)} on a stream outside the capture needs a new "
+                        f"{op.name} on a stream outside the capture needs a new "
                         "allocation while a stream is capturing (operation not permitted when "
                         "stream is capturing): allocate before the capture, or capture with "
                         "capture_error_mode='relaxed'"
                     )
                 result = func(*args, **kwargs)  # not part of the capture: runs at once
-                self._note_call(stream, func, args, kwargs, result, tensors)
+                self._note_call(stream, op, args, kwargs, result, tensors)
                 return result
             self._check_seed(active)
             active.ops_on[stream] += 1
             if stream is not active.origin:
                 active.unjoined[stream] = True
-            return active.capture.record(func, args, kwargs)
+            return active.capture.record(op, args, kwargs)
         self.scheduler.maybe_progress()
-        if ops.capture_violation(func, args, kwargs) is not None:
-            self._note(stream, ops.touched(func, args, kwargs, ()), ops.op_name(func))
+        if ops.capture_violation(op, args, kwargs) is not None:
+            self._note(stream, ops.touched(op, args, kwargs, ()), op.name)
             self._host_waits_for(stream)  # a host read: it waits for the stream
             return func(*args, **kwargs)
         if stream is self._default:
             self.scheduler.drain(stream)
             result = func(*args, **kwargs)
-            self._note_call(stream, func, args, kwargs, result, tensors)
+            self._note_call(stream, op, args, kwargs, result, tensors)
             return result
         if host_scalars:
             args, kwargs = _baked(args), {k: _baked(v) for k, v in kwargs.items()}
-        return self._defer(stream, func, args, kwargs)
+            return self._defer(stream, op, args, kwargs, None)
+        return self._defer(stream, op, args, kwargs, tensors)
 
     def _defer(
-        self, stream: SimStream, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        stream: SimStream,
+        op: OpFacts,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        tensors: list[torch.Tensor] | None,
     ) -> Any:
-        """Queue an operation on a side stream; its fresh outputs are poison until it runs."""
-        if ops.is_view(func) or func in ops.EMPTY_OPS:
+        """Queue an operation on a side stream; its fresh outputs are poison until it runs.
+        `tensors`: its tensor arguments, when the caller has them (ops.touched)."""
+        func = op.func
+        if op.quiet:
             return func(*args, **kwargs)  # metadata or allocation only: nothing to order
-        positions = ops.fresh_return_positions(func)
-        metas = ops.meta_outputs(func, args, kwargs) if positions else []
+        positions = op.fresh_positions
+        metas = ops.meta_outputs(op, args, kwargs) if positions else []
         fresh = {}
         for p in positions:
-            out = torch.empty_strided(metas[p].shape, metas[p].stride(), dtype=metas[p].dtype)
+            out = torch.empty_strided(metas[p].shape, metas[p].stride, dtype=metas[p].dtype)
             poison_(out)
             fresh[p] = out
 
@@ -710,36 +752,34 @@ class SimBackend:
             for p, out in fresh.items():
                 out.copy_(results[p])
 
-        touched = ops.touched(func, args, kwargs, list(fresh.values()))
-        self._note(stream, touched, ops.op_name(func))
-        written = [t for t, write in touched if write]
-        work = new_work(lambda: self._internal(run), ops.op_name(func), _storages(written))
-        self.scheduler.enqueue(stream, work)
-        return ops.assemble_returns(func, args, kwargs, fresh)
+        touched = ops.touched(op, args, kwargs, list(fresh.values()), tensors)
+        self._note(stream, touched, op.name)
+        self.scheduler.enqueue(stream, new_work(lambda: self._internal(run), op.name))
+        return ops.assemble_returns(op, args, kwargs, fresh)
 
     def _check_host_operands(
-        self, func: Any, args: tuple[Any, ...], host: list[torch.Tensor]
+        self, op: OpFacts, args: tuple[Any, ...], host: list[torch.Tensor]
     ) -> None:
         """A device operation accepts host tensors only as 0-dim operands (kernel arguments) and,
         as torch does on CUDA, as the indices of advanced indexing, which it copies to the device
         first: a capture refuses that copy."""
-        if func in ops.INDEXING and all(any(t is i for i in ops.flat(args[1])) for t in host):
+        if op.indexing and all(any(t is i for i in ops.flat(args[1])) for t in host):
             active = self._active
             if active is not None and self._current in active.unjoined:
                 raise active.capture.fail(
-                    f"{ops.op_name(func)} with host indices cannot be captured: they are copied to "
+                    f"{op.name} with host indices cannot be captured: they are copied to "
                     "the device first (a blocking copy). Keep the indices on the device."
                 )
             return
-        _check_host_operands(func, host)
+        _check_host_operands(op, host)
 
 
-def _check_host_operands(func: Any, host: list[torch.Tensor]) -> None:
+def _check_host_operands(op: OpFacts, host: list[torch.Tensor]) -> None:
     for t in host:
         if t.dim() != 0:
             raise RuntimeError(
                 "Expected all tensors to be on the same device, but found at least two devices, "
-                f"{SIM_DEVICE} and cpu! ({ops.op_name(func)} got a host tensor of shape "
+                f"{SIM_DEVICE} and cpu! ({op.name} got a host tensor of shape "
                 f"{list(t.shape)}: copy it to the device first)"
             )
 
@@ -761,14 +801,6 @@ def _crossing_refused(upload: bool, non_blocking: bool) -> str:
         "memory (backend.empty_pinned, pin_memory=True) is recorded into a graph; copy before or "
         "after the capture, or stage through pinned memory."
     )
-
-
-def _storage(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().data_ptr())
-
-
-def _storages(tensors: list[torch.Tensor]) -> frozenset[int]:
-    return frozenset(_storage(t) for t in tensors)
 
 
 def _release_block(pool: Any, block: torch.Tensor) -> None:

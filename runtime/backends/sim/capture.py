@@ -59,6 +59,31 @@ def _resolve(x: Any, env: list[Any]) -> Any:
     return x
 
 
+_Planned = tuple[
+    Any,
+    list[Any],
+    tuple[tuple[int, int], ...],
+    tuple[int, ...],
+    dict[str, Any],
+    bool,
+    list[int] | None,
+    list[tuple[int, int]],
+]
+"""An instruction as a replay runs it (`_plan`); a tuple, unpacked once per instruction."""
+
+
+def _plan(ins: _Instr) -> _Planned:
+    """How one instruction's arguments are filled in at each replay: the template's top-level
+    references are set by position, only nested lists are walked, and keyword arguments are
+    resolved only when they hold a reference."""
+    direct = tuple((i, a.idx) for i, a in enumerate(ins.args) if type(a) is Ref)
+    nested = tuple(
+        i for i, a in enumerate(ins.args) if (type(a) is list or type(a) is tuple) and _has_ref(a)
+    )
+    kwargs_refs = any(_has_ref(v) for v in ins.kwargs.values())
+    return (ins.func, ins.args, direct, nested, ins.kwargs, kwargs_refs, ins.view_outs, ins.fresh)
+
+
 def _has_ref(x: Any) -> bool:
     if type(x) is Ref:
         return True
@@ -89,7 +114,7 @@ class Program:
     ) -> None:
         self._env = env
         self._externals = externals
-        self._instrs = instrs
+        self._plans = [_plan(ins) for ins in instrs]
         self.accesses = accesses
         self._first_reader: dict[int, str] = {}
         for ins in instrs:
@@ -99,27 +124,42 @@ class Program:
     def check_alive(self) -> None:
         """Raise UseAfterFreeError now if any external memory the program reads is gone."""
         for ext in self._externals:
-            self._materialize(ext)
+            self._storage(ext)
 
     def run(self) -> None:
         env = list(self._env)
         for ext in self._externals:
-            env[ext.idx] = self._materialize(ext)
+            t = torch.empty(0, dtype=ext.dtype)
+            env[ext.idx] = t.set_(self._storage(ext), ext.offset, ext.shape, ext.stride)
         with torch.no_grad():
-            for ins in self._instrs:
-                args = [_resolve(a, env) for a in ins.args]
-                kwargs = {k: _resolve(v, env) for k, v in ins.kwargs.items()}
-                out = ins.func(*args, **kwargs)
-                if ins.view_outs is not None:
-                    outs = out if isinstance(out, tuple | list) else [out]
-                    for slot, value in zip(ins.view_outs, outs, strict=True):
+            for (
+                func,
+                template,
+                direct,
+                nested,
+                kwargs,
+                kwargs_refs,
+                view_outs,
+                fresh,
+            ) in self._plans:
+                args = template.copy()
+                for i, slot in direct:
+                    args[i] = env[slot]
+                for i in nested:
+                    args[i] = _resolve(args[i], env)
+                if kwargs_refs:
+                    kwargs = {k: _resolve(v, env) for k, v in kwargs.items()}
+                out = func(*args, **kwargs)
+                outs = out if isinstance(out, tuple | list) else [out]
+                if view_outs is not None:
+                    for slot, value in zip(view_outs, outs, strict=True):
                         env[slot] = value
                 else:
-                    outs = out if isinstance(out, tuple | list) else [out]
-                    for pos, slot in ins.fresh:
+                    for pos, slot in fresh:
                         env[slot].copy_(outs[pos])
 
-    def _materialize(self, ext: _External) -> torch.Tensor:
+    def _storage(self, ext: _External) -> torch.UntypedStorage:
+        """The storage of an external tensor, still where the capture saw it."""
         storage = ext.storage()
         reader = self._first_reader.get(ext.idx, "the graph")
         if storage is None or storage.data_ptr() != ext.address:
@@ -129,8 +169,7 @@ class Program:
                 f"{reader}. A graph keeps addresses, not tensors: keep that tensor alive and update "
                 "it in place (copy_) instead of rebinding or resizing it, or capture again."
             )
-        t = torch.empty(0, dtype=ext.dtype)
-        return t.set_(storage, ext.offset, ext.shape, ext.stride)
+        return storage
 
 
 def _refs(args: list[Any], kwargs: dict[str, Any]) -> list[int]:
@@ -166,39 +205,40 @@ class Capture:
         self.invalid = self.invalid or message
         return CaptureError(message)
 
-    def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def record(self, op: ops.OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.invalid is not None:
             raise CaptureError(f"capture already invalidated: {self.invalid}")
-        problem = ops.capture_violation(func, args, kwargs)
+        problem = ops.capture_violation(op, args, kwargs)
         if problem is not None:
             raise self.fail(
-                f"{ops.op_name(func)} cannot be captured: {problem}. Move it out of the capture "
+                f"{op.name} cannot be captured: {problem}. Move it out of the capture "
                 "region, or keep the value on the device."
             )
-        if func in ops.CONSTANT_OPS:
+        func = op.func
+        if op.constant:
             return self._constant(args[0])
-        if func in ops.EMPTY_OPS:
-            return self._allocate(ops.meta_outputs(func, args, kwargs))[0][0]
+        if op.empty:
+            return self._allocate(ops.meta_outputs(op, args, kwargs))[0][0]
         # Host tensors reach a captured operation only as 0-dim operands, which CUDA passes as
         # kernel arguments (their value now is baked in), and as the pinned side of a
         # non_blocking copy, which the graph reads or writes at every replay.
-        bake = func is not ops.aten.copy_.default
+        bake = not op.is_copy
         targs = [self._template(a, bake) for a in args]
         tkwargs = {k: self._template(v, bake) for k, v in kwargs.items()}
-        if ops.is_view(func):
+        if op.is_view:
             out = func(*args, **kwargs)
             outs = list(out) if isinstance(out, tuple | list) else [out]
             slots = [self._bind(o, self._new_slot(None)) for o in outs]
             self._instrs.append(_Instr(func, targs, tkwargs, slots, []))
             return out
-        positions = ops.fresh_return_positions(func)
-        metas = ops.meta_outputs(func, args, kwargs) if positions else []
+        positions = op.fresh_positions
+        metas = ops.meta_outputs(op, args, kwargs) if positions else []
         fresh, slots = self._allocate([metas[p] for p in positions])
         self._instrs.append(
             _Instr(func, targs, tkwargs, None, list(zip(positions, slots, strict=True)))
         )
-        self._touch(ops.touched(func, args, kwargs, fresh))
-        return ops.assemble_returns(func, args, kwargs, dict(zip(positions, fresh, strict=True)))
+        self._touch(ops.touched(op, args, kwargs, fresh))
+        return ops.assemble_returns(op, args, kwargs, dict(zip(positions, fresh, strict=True)))
 
     def finish(self) -> Program:
         """Freeze the program; views of owned memory are computed once here."""
@@ -225,10 +265,11 @@ class Capture:
         return Program(env, self._externals, kept, accesses)
 
     def _touch(self, touched: list[tuple[torch.Tensor, bool]]) -> None:
+        known = self._touched
         for t, write in touched:
             found = footprint.of(t)
-            if found is not None:
-                self._touched.setdefault((found[1], write), weakref.ref(found[0]))
+            if found is not None and (found[1], write) not in known:
+                known[(found[1], write)] = weakref.ref(found[0])
 
     # -- values ---------------------------------------------------------------------------------
 
@@ -277,20 +318,16 @@ class Capture:
         self._bind(t, slot)
         return t
 
-    def _allocate(self, metas: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    def _allocate(self, metas: list[ops.Layout]) -> tuple[list[torch.Tensor], list[int]]:
         """Pool-backed, poisoned outputs: one tensor for the program, one handed to the caller."""
         fresh, slots = [], []
         for meta in metas:
-            block = self.pool.allocate(ops.storage_bytes(meta))
-            offset = block.storage_offset() // meta.element_size()
+            block = self.pool.allocate(meta.nbytes)
+            offset = block.storage_offset() // meta.itemsize
             storage = block.untyped_storage()
-            owned = torch.empty(0, dtype=meta.dtype).set_(
-                storage, offset, meta.shape, meta.stride()
-            )
+            owned = torch.empty(0, dtype=meta.dtype).set_(storage, offset, meta.shape, meta.stride)
             poison_(owned)
-            handed = torch.empty(0, dtype=meta.dtype).set_(
-                storage, offset, meta.shape, meta.stride()
-            )
+            handed = torch.empty(0, dtype=meta.dtype).set_(storage, offset, meta.shape, meta.stride)
             # The block returns to the pool when the caller drops its tensor (and every view of it),
             # as a CUDA graph pool block does; the program's own handle does not keep it reserved.
             weakref.finalize(handed, self._release, self.pool, block)

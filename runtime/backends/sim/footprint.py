@@ -48,17 +48,24 @@ class Footprint(NamedTuple):
         return self.strided is None and self.lo <= other.lo and other.hi <= self.hi
 
 
+# A Footprint made without the keyword handling of the NamedTuple's own constructor: `of` runs
+# for every tensor of every operation.
+_new = tuple.__new__
+
+
 def of(t: torch.Tensor) -> tuple[torch.UntypedStorage, Footprint] | None:
     """The storage of `t` and the footprint of `t` in it; None for an empty tensor."""
     storage = t.untyped_storage()
     item = t.element_size()
-    offset = int(t.storage_offset())
+    offset = t.storage_offset()
     lo = offset * item
     if t.is_contiguous():
-        nbytes = t.nbytes
+        nbytes = t.numel() * item
         if nbytes == 0:
             return None
-        return storage, Footprint(storage.data_ptr(), lo, lo + nbytes, None, item, t.shape, t.dtype)
+        return storage, _new(
+            Footprint, (storage.data_ptr(), lo, lo + nbytes, None, item, t.shape, t.dtype)
+        )
     numel = t.numel()
     if numel == 0:
         return None
@@ -66,8 +73,8 @@ def of(t: torch.Tensor) -> tuple[torch.UntypedStorage, Footprint] | None:
     span = 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
     # span == numel: every element slot of the interval is one of the tensor's elements.
     strided = None if span == numel else (offset, shape, tuple(stride))
-    return storage, Footprint(
-        storage.data_ptr(), lo, lo + span * item, strided, item, shape, t.dtype
+    return storage, _new(
+        Footprint, (storage.data_ptr(), lo, lo + span * item, strided, item, shape, t.dtype)
     )
 
 

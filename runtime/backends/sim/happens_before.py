@@ -173,7 +173,11 @@ class RaceChecker:
         epoch = clock.get(agent, 0) + 1
         clock[agent] = epoch
         pending = self._pending
-        solo = all(b == agent or clock.get(b, 0) >= self._clocks[b].get(b, 0) for b in pending)
+        solo = True
+        for b in pending:
+            if b != agent and clock.get(b, 0) < self._clocks[b].get(b, 0):
+                solo = False
+                break
         if agent == HOST and solo:
             return []  # nothing unpassed to race with, and the host passes its own work at once
         line = source_line()

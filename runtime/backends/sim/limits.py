@@ -8,9 +8,12 @@ hardware (driver calls, device properties beyond the plausible ones the drop-in 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pytest_graphmode.runtime.backends.sim.ops import OpFacts
 
 
 class SimUnsupportedError(RuntimeError):
@@ -31,16 +34,14 @@ _RUNNABLE_KEYS = (
     "CompositeExplicitAutogradNonFunctional",
     "CompositeImplicitAutograd",
 )
-_runnable: dict[Any, bool] = {}
 
 
-def check_runnable(func: Any) -> None:
-    """Raise `SimUnsupportedError` for an operator only a GPU can run (decided once per op)."""
-    known = _runnable.get(func)
-    if known is None:
-        name = func.name()
+def check_runnable(op: OpFacts) -> None:
+    """Raise `SimUnsupportedError` for an operator only a GPU can run (decided once per op, and
+    kept in its facts)."""
+    if op.runnable is None:
+        name = op.func.name()
         has = torch._C._dispatch_has_kernel_for_dispatch_key
-        known = not has(name, "CUDA") or any(has(name, key) for key in _RUNNABLE_KEYS)
-        _runnable[func] = known
-    if not known:
-        raise SimUnsupportedError(f"operator {func.name()} (it has a CUDA kernel only)")
+        op.runnable = not has(name, "CUDA") or any(has(name, key) for key in _RUNNABLE_KEYS)
+    if not op.runnable:
+        raise SimUnsupportedError(f"operator {op.func.name()} (it has a CUDA kernel only)")

@@ -8,9 +8,8 @@ at all (it reads device values on the host or has a data-dependent output shape)
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._pytree import tree_map
@@ -60,11 +59,94 @@ def op_name(func: Any) -> str:
     return f"aten.{func.__name__}" if hasattr(func, "__name__") else str(func)
 
 
-def capture_violation(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
-    """Why `func` cannot be captured, or None when it can."""
-    problem = _operation_violation(func)
-    if problem is not None:
-        return problem
+# Operations whose capture legality also depends on their arguments (`capture_violation`).
+_ARGUMENT_CHECKED = {
+    aten.repeat_interleave.Tensor,
+    aten.repeat_interleave.self_Tensor,
+    aten.index.Tensor,
+    aten.index_put_.default,
+    aten.index_put.default,
+}
+
+
+class OpFacts:
+    """What the sim needs to know of one operation, derived from its schema once.
+
+    The sim asks these questions for every operation it dispatches; an `OpOverload` is immutable
+    and unique per operator overload, so the answers never change while it lives, and the facts
+    hold the operation itself, so the `id` they are found by is never reused for another one.
+    """
+
+    __slots__ = (
+        "allocates",
+        "argument_checked",
+        "constant",
+        "empty",
+        "fresh_positions",
+        "func",
+        "indexing",
+        "is_copy",
+        "is_view",
+        "name",
+        "quiet",
+        "return_count",
+        "runnable",
+        "violation",
+        "written_positions",
+    )
+
+    def __init__(self, func: Any) -> None:
+        self.func = func
+        self.name = op_name(func)
+        schema = func._schema
+        rets = schema.returns
+        # Every return aliases an input without writing it (view, alias, detach, split...).
+        self.is_view = bool(rets) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in rets
+        )
+        # Allocation without computation: a replay has nothing to do for these.
+        self.empty = func in EMPTY_OPS
+        # Metadata or allocation only: nothing to order, nothing for the race checker.
+        self.quiet = self.is_view or self.empty
+        self.return_count = len(rets)
+        self.fresh_positions = tuple(i for i, r in enumerate(rets) if r.alias_info is None)
+        # (position, name) of the arguments it writes in place (self of add_, out= of add.out)
+        self.written_positions = tuple(
+            (i, arg.name)
+            for i, arg in enumerate(schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
+        # The operation makes a fresh tensor (a factory, or any op with a non-aliasing return).
+        self.allocates = self.empty or bool(self.fresh_positions)
+        self.violation = _operation_violation(func)
+        self.argument_checked = func in _ARGUMENT_CHECKED
+        self.indexing = func in INDEXING
+        self.constant = func in CONSTANT_OPS
+        self.is_copy = func is aten.copy_.default
+        # Whether the CPU can run it, asked of device operations only (limits.check_runnable):
+        # None until then.
+        self.runnable: bool | None = None
+
+
+_FACTS: dict[int, OpFacts] = {}
+
+
+def facts(func: Any) -> OpFacts:
+    """The facts of `func`, computed at its first use. Keyed by identity: an `OpOverload` hashes
+    in Python, an int in C."""
+    found = _FACTS.get(id(func))
+    if found is None:
+        found = _FACTS[id(func)] = OpFacts(func)
+    return found
+
+
+def capture_violation(op: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
+    """Why the operation cannot be captured, or None when it can."""
+    if op.violation is not None:
+        return op.violation
+    if not op.argument_checked:
+        return None
+    func = op.func
     if func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor) and (
         kwargs.get("output_size") is None
     ):
@@ -76,10 +158,8 @@ def capture_violation(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) ->
     return None
 
 
-@functools.cache
 def _operation_violation(func: Any) -> str | None:
-    """The part of `capture_violation` that depends on the operation alone: asked for every
-    dispatched operation, so computed once per operation."""
+    """The part of `capture_violation` that depends on the operation alone."""
     if func in _HOST_READS:
         return _HOST_READS[func]
     if func._schema.name.split("::")[-1] in _DATA_DEPENDENT:
@@ -94,43 +174,20 @@ def flat(x: Any) -> list[Any]:
     return list(x) if isinstance(x, list | tuple) else [x]
 
 
-@functools.cache
-def allocates(func: Any) -> bool:
-    """The operation makes a fresh tensor (a factory, or any op with a non-aliasing return)."""
-    return func in EMPTY_OPS or bool(fresh_return_positions(func))
-
-
-# The schema facts below are asked for every operation the sim queues or records: each is
-# computed once per operation.
-
-
-@functools.cache
-def is_view(func: Any) -> bool:
-    """Every return aliases an input without writing it (view, alias, detach, split...)."""
-    rets = func._schema.returns
-    return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
-
-
-@functools.cache
-def _written_positions(func: Any) -> tuple[tuple[int, str], ...]:
-    return tuple(
-        (i, arg.name)
-        for i, arg in enumerate(func._schema.arguments)
-        if arg.alias_info is not None and arg.alias_info.is_write
-    )
-
-
-def written_args(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+def written_args(op: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors this call writes in place (self of add_, out= of add.out), in schema order."""
     written: list[torch.Tensor] = []
-    for i, name in _written_positions(func):
+    for i, name in op.written_positions:
         value = args[i] if i < len(args) else kwargs.get(name)
-        written.extend(t for t in flat(value) if isinstance(t, torch.Tensor))
+        if isinstance(value, torch.Tensor):
+            written.append(value)
+        elif isinstance(value, list | tuple):
+            written.extend(t for t in value if isinstance(t, torch.Tensor))
     return written
 
 
 def touched(
-    func: Any,
+    op: OpFacts,
     args: Sequence[Any],
     kwargs: dict[str, Any],
     fresh: Sequence[torch.Tensor],
@@ -142,8 +199,8 @@ def touched(
     if tensors is None:
         tensors = [t for x in (*args, *kwargs.values()) for t in flat(x)]
         tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-    if _written_positions(func):
-        written = written_args(func, args, kwargs)
+    if op.written_positions:
+        written = written_args(op, args, kwargs)
         found = [(t, any(t is w for w in written)) for t in tensors]
     else:
         found = [(t, False) for t in tensors]
@@ -151,43 +208,69 @@ def touched(
     return found
 
 
-@functools.cache
-def fresh_return_positions(func: Any) -> tuple[int, ...]:
-    return tuple(i for i, r in enumerate(func._schema.returns) if r.alias_info is None)
-
-
-def fresh_outputs(func: Any, result: Any) -> list[torch.Tensor]:
+def fresh_outputs(op: OpFacts, result: Any) -> list[torch.Tensor]:
     """The returns of a call that are new tensors (not its arguments, not views of them)."""
-    positions = fresh_return_positions(func)
+    positions = op.fresh_positions
     if not positions:
         return []
-    results = result if isinstance(result, tuple | list) else [result]
-    return [t for p in positions for t in flat(results[p]) if isinstance(t, torch.Tensor)]
+    if not isinstance(result, tuple | list):
+        # one return: a tensor (or None, for an optional one)
+        return [result] if isinstance(result, torch.Tensor) else []
+    return [t for p in positions for t in flat(result[p]) if isinstance(t, torch.Tensor)]
 
 
 _META_CACHE: dict[Any, list[Any]] = {}
 _META_CACHE_LIMIT = 4096
 
 
-def _signature(x: Any) -> Any:
-    """A hashable stand-in for an argument as far as output metadata goes (a tensor's layout, a
-    list's items); raises TypeError for anything unhashable."""
-    if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype)
-    if isinstance(x, list | tuple):
-        return tuple(_signature(i) for i in x)
-    hash(x)
-    return x
+def _signature(items: Sequence[Any]) -> tuple[Any, ...]:
+    """A hashable stand-in for a sequence of arguments as far as output metadata goes (a tensor's
+    layout, a list's items, a scalar with its type: 1, 1.0 and True are equal keys but make
+    different dtypes); raises TypeError for anything unhashable."""
+    found: list[Any] = []
+    for x in items:
+        if isinstance(x, torch.Tensor):
+            found.append(("tensor", x.shape, x.stride(), x.dtype))
+        elif isinstance(x, list | tuple):
+            found.append(_signature(x))
+        else:
+            hash(x)
+            found.append((x.__class__, x))
+    return tuple(found)
 
 
-def meta_outputs(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
-    """The call's returns computed on the meta device (shapes, strides, dtypes; no data).
+class Layout(NamedTuple):
+    """The metadata of a fresh output, without a tensor (`meta_outputs` hands these out)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    itemsize: int
+    nbytes: int  # bytes its shape and stride span
+
+
+def _layout(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    shape, stride = tuple(t.shape), tuple(t.stride())
+    itemsize = t.element_size()
+    if t.numel() == 0:
+        nbytes = 0
+    else:
+        nbytes = (1 + sum((n - 1) * step for n, step in zip(shape, stride, strict=True))) * itemsize
+    return Layout(shape, stride, t.dtype, itemsize, nbytes)
+
+
+def meta_outputs(op: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """The layouts of the call's returns, computed on the meta device (no data).
 
     Memoised by argument layout: a runner captures the same shapes over and over, and running an
-    operation on the meta device costs far more than looking its result up.
+    operation on the meta device costs far more than looking its result up. Keyed by the
+    operation's facts, which hash by identity and live as long as the process (`facts`).
     """
+    func = op.func
     try:
-        key = (func, _signature(list(args)), _signature(sorted(kwargs.items())))
+        key = (op, _signature(args), _signature(sorted(kwargs.items())) if kwargs else ())
     except TypeError:
         return _compute_meta_outputs(func, args, kwargs)
     cached = _META_CACHE.get(key)
@@ -217,24 +300,18 @@ def _compute_meta_outputs(func: Any, args: Sequence[Any], kwargs: dict[str, Any]
             lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (list(args), dict(kwargs))
         )
         out = func(*cargs, **ckwargs)
-    return list(out) if isinstance(out, tuple | list) else [out]
-
-
-def storage_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor with this shape and stride spans."""
-    if t.numel() == 0:
-        return 0
-    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    return span * t.element_size()
+    return [_layout(t) for t in out] if isinstance(out, tuple | list) else [_layout(out)]
 
 
 def assemble_returns(
-    func: Any, args: Sequence[Any], kwargs: dict[str, Any], fresh: dict[int, torch.Tensor]
+    op: OpFacts, args: Sequence[Any], kwargs: dict[str, Any], fresh: dict[int, torch.Tensor]
 ) -> Any:
     """The call's return value: fresh outputs by position, written arguments for the rest."""
-    count = len(func._schema.returns)
+    count = op.return_count
     if count == 0:
         return None
-    written = iter(written_args(func, args, kwargs))
+    if count == 1 and 0 in fresh:
+        return fresh[0]
+    written = iter(written_args(op, args, kwargs))
     results = [fresh[p] if p in fresh else next(written) for p in range(count)]
     return results[0] if count == 1 else tuple(results)

@@ -103,11 +103,23 @@ _INT_POISON = {
 }
 
 
+def _poison_value(dtype: torch.dtype) -> float | bool | int:
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype == torch.bool:
+        return True
+    return _INT_POISON.get(dtype, -1)
+
+
+# The poison of each dtype met so far: every fresh output of a capture or of queued work is
+# poisoned, and a dtype's properties are Python calls.
+_POISON: dict[torch.dtype, float | bool | int] = {}
+
+
 def poison_(t: torch.Tensor) -> None:
     """Fill with values no correct computation produces, so reading before a replay is visible."""
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        t.fill_(float("nan"))
-    elif t.dtype == torch.bool:
-        t.fill_(True)
-    else:
-        t.fill_(_INT_POISON.get(t.dtype, -1))
+    dtype = t.dtype
+    value = _POISON.get(dtype)
+    if value is None:
+        value = _POISON[dtype] = _poison_value(dtype)
+    t.fill_(value)

@@ -23,8 +23,6 @@ from typing import Any
 class _Work:
     run: Callable[[], None]
     label: str
-    # Base addresses of the storages it writes; None when unknown (a graph replay writes anything).
-    writes: frozenset[int] | None
 
 
 @dataclass(eq=False)
@@ -66,13 +64,6 @@ class StreamScheduler:
     def enqueue(self, stream: SimStream, item: _Item) -> None:
         self._queues.setdefault(stream, deque()).append(item)
 
-    def writes_pending(self, stream: SimStream, storage: int) -> bool:
-        """Whether work queued on `stream` may still write the storage at `storage`."""
-        return any(
-            isinstance(item, _Work) and (item.writes is None or storage in item.writes)
-            for item in self._queues.get(stream, ())
-        )
-
     def has_work(self, stream: SimStream) -> bool:
         return bool(self._queues.get(stream))
 
@@ -86,7 +77,7 @@ class StreamScheduler:
 
     def maybe_progress(self) -> None:
         """A scheduling point: perhaps run one queued item of a random stream."""
-        if self._running or not self.pending():
+        if self._running or not self._queues:
             return
         if self._rng.random() >= self.EAGERNESS:
             return
@@ -218,5 +209,5 @@ def new_wait(marker: _Marker) -> _Wait:
     return _Wait(marker)
 
 
-def new_work(run: Callable[[], None], label: str, writes: frozenset[int] | None) -> _Work:
-    return _Work(run, label, writes)
+def new_work(run: Callable[[], None], label: str) -> _Work:
+    return _Work(run, label)
