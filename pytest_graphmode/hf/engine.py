@@ -9,7 +9,7 @@ the releases differ, in how the paged KV cache is laid out and where a request's
 
 The engine is transformers' own: its padding, its graph keys, its warm-up and its capture. This
 module replaces only the scheduler (the caller chooses each batch and its blocks) and adds one
-forward hook that copies the LM head's output out, since transformers keeps its logits inside the
+forward hook that copies the model's logits out, since transformers keeps its logits inside the
 captured graph and hands out only the sampled tokens.
 """
 
@@ -31,6 +31,7 @@ from pytest_graphmode.hf.versions import (
     UnsupportedTransformers,
     check_version,
     layout_of,
+    split_trash,
 )
 
 
@@ -126,7 +127,7 @@ class Engine(ABC):
         self._logits = torch.zeros(
             config.max_requests, config.vocab_size, dtype=self.model.dtype, device=device
         )
-        self._hook = self.model.lm_head.register_forward_hook(self._keep_logits)
+        self._hook = self.model.register_forward_hook(self._keep_logits, with_kwargs=True)
         # Greedy, no EOS, synchronous, no prefix sharing (it would tie blocks to token contents the
         # caller does not know), no decode fast path (it needs flash attention on a GPU): the
         # varlen path, whose graphs are keyed by padded query and KV sizes, serves every batch.
@@ -202,10 +203,16 @@ class Engine(ABC):
         """Runs once a step's outputs are read: where `kv_tensors` are not the cache itself, the
         step's writes go into them."""
 
-    def _keep_logits(self, _module: Any, _inputs: Any, output: Tensor) -> None:
-        # [1, padded_requests, vocab]: padded rows repeat a valid row; a replay repeats this copy.
-        rows = output.shape[1]
-        self._logits[:rows].copy_(output[0])
+    def _keep_logits(
+        self, _module: Any, _args: Any, kwargs: dict[str, Any], output: Any
+    ) -> None:
+        # From 5.13 the model keeps only the rows at `logits_indices` (its `logits_to_keep`);
+        # 5.11 and 5.12 have it return every token's and pick those rows after. Either way: [padded_requests,
+        # vocab], padded rows repeating a valid row; a replay repeats this copy.
+        logits = output.logits[0]
+        if "logits_to_keep" not in kwargs:
+            logits = logits.index_select(0, kwargs["logits_indices"])
+        self._logits[: logits.shape[0]].copy_(logits)
 
     def run(self, requests: Sequence[EngineRequest]) -> EngineStep:
         """Stage `requests` with transformers' own padding, run its model runner, read the results."""
@@ -240,10 +247,12 @@ class Engine(ABC):
         num_q = sum(f.query_length for f in futures)
         kv_read = sum(f.state.position_offset for f in futures)
         padded_q, padded_kv = self._runner.maybe_pad_inputs(num_q, kv_read, False)
+        # From 5.13 the IO object pads the batch as it stages it; 5.11 and 5.12 pad when
+        # `_generation_step` hands it to the model, with the same runner flag.
+        padding = {"use_padding": self._runner.pad_inputs} if split_trash(self.version) else {}
         self._io.prepare_batch_tensors(
-            futures, self._processor.logit_processor, False, padded_q, padded_kv,
-            use_padding=self._runner.pad_inputs,
-        )  # fmt: skip
+            futures, self._processor.logit_processor, False, padded_q, padded_kv, **padding
+        )
         graphs_before = len(self._io.graphs._storage)
         self._processor._generation_step(self.model)
         key = self._io._get_graph_key() if self.graphs else None

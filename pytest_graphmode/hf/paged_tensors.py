@@ -1,9 +1,10 @@
-"""transformers 5.13 to 5.17: the paged cache as one key and one value tensor per layer.
+"""transformers 5.11 to 5.17: the paged cache as one key and one value tensor per layer.
 
 Each tensor has `(num_blocks + 2) * block_size` rows, slot-major already: the allocatable blocks,
-then the read-trash block (zeroed, what padding tokens read) and the write-trash block (where
-padding tokens write, never read). A request's block ids go into the block table of the one
-layer group's `FullAttentionCacheAllocator`, kept in the cache's `group_cache_managers`.
+then two trash blocks. From 5.13 the first is the read trash (zeroed, what padding tokens read) and
+the second the write trash (where padding tokens write, never read). 5.11 and 5.12 leave the first
+unused: their padding tokens read and write one slot of the second, their `trash_index`. A
+request's block ids go into the block table of the one layer group's `FullAttentionCacheAllocator`, kept in the cache's `group_cache_managers`.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 from torch import Tensor
 
 from pytest_graphmode.hf.engine import Engine
-from pytest_graphmode.hf.versions import UnsupportedTransformers
+from pytest_graphmode.hf.versions import UnsupportedTransformers, split_trash
 
 
 class PagedTensorsEngine(Engine):
-    """`Engine` over the per-layer key and value tensors of transformers 5.13 to 5.17."""
+    """`Engine` over the per-layer key and value tensors of transformers 5.11 to 5.17."""
 
     layout = "paged_tensors"
     block_size_option = "block_size"
@@ -54,11 +55,13 @@ class PagedTensorsEngine(Engine):
 
     @property
     def read_trash_block(self) -> int:
-        return int(self._cache.read_trash_index) // self.config.block_size
+        index = self._cache.read_trash_index if split_trash(self.version) else self._cache.trash_index
+        return int(index) // self.config.block_size
 
     @property
     def write_trash_block(self) -> int:
-        return int(self._cache.write_trash_index) // self.config.block_size
+        index = self._cache.write_trash_index if split_trash(self.version) else self._cache.trash_index
+        return int(index) // self.config.block_size
 
     def kv_tensors(self) -> list[Tensor]:
         """transformers' own tensors: [(num_blocks + 2) * block_size, kv_heads, head_dim] each."""

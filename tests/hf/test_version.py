@@ -13,7 +13,7 @@ from pytest_graphmode.hf.sector_cache import SectorCacheEngine
 from pytest_graphmode.hf.target import ENGINES
 
 
-@pytest.mark.parametrize("version", ["5.12.1", "5.25.0", "6.0.0", "4.57.6"])
+@pytest.mark.parametrize("version", ["5.10.4", "5.25.0", "6.0.0", "4.57.6"])
 def test_an_unsupported_release_is_refused_with_the_range_to_install(
     monkeypatch: pytest.MonkeyPatch, version: str
 ) -> None:
@@ -21,13 +21,15 @@ def test_an_unsupported_release_is_refused_with_the_range_to_install(
     with pytest.raises(versions.UnsupportedTransformers) as raised:
         versions.check_version()
     assert f"transformers {version} is installed" in str(raised.value)
-    assert "pip install 'transformers>=5.13,<5.25'" in str(raised.value)
+    assert "pip install 'transformers>=5.11,<5.25'" in str(raised.value)
     assert versions.support_problem() == str(raised.value)
 
 
 @pytest.mark.parametrize(
     ("version", "layout"),
     [
+        ("5.11.0", "paged_tensors"),
+        ("5.12.1", "paged_tensors"),
         ("5.13.0", "paged_tensors"),
         ("5.14.1", "paged_tensors"),
         ("5.17.0", "paged_tensors"),
@@ -71,3 +73,11 @@ def test_an_engine_refuses_a_release_of_the_other_layout(
         engine(EngineConfig(), seed=0, graphs=False, device=torch.device("cpu"))
     assert f"transformers {version} is installed" in str(raised.value)
     assert f"make the engine of its layout, {versions.layout_of(version)!r}" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("version", "split"),
+    [("5.11.0", False), ("5.12.1", False), ("5.13.0", True), ("5.17.0", True), ("5.24.0", True)],
+)
+def test_the_trash_blocks_split_from_5_13(version: str, split: bool) -> None:
+    assert versions.split_trash(version) is split
