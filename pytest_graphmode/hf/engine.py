@@ -203,9 +203,7 @@ class Engine(ABC):
         """Runs once a step's outputs are read: where `kv_tensors` are not the cache itself, the
         step's writes go into them."""
 
-    def _keep_logits(
-        self, _module: Any, _args: Any, kwargs: dict[str, Any], output: Any
-    ) -> None:
+    def _keep_logits(self, _module: Any, _args: Any, kwargs: dict[str, Any], output: Any) -> None:
         # From 5.13 the model keeps only the rows at `logits_indices` (its `logits_to_keep`);
         # 5.11 and 5.12 have it return every token's and pick those rows after. Either way: [padded_requests,
         # vocab], padded rows repeating a valid row; a replay repeats this copy.

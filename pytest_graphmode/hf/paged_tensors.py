@@ -55,12 +55,16 @@ class PagedTensorsEngine(Engine):
 
     @property
     def read_trash_block(self) -> int:
-        index = self._cache.read_trash_index if split_trash(self.version) else self._cache.trash_index
+        index = (
+            self._cache.read_trash_index if split_trash(self.version) else self._cache.trash_index
+        )
         return int(index) // self.config.block_size
 
     @property
     def write_trash_block(self) -> int:
-        index = self._cache.write_trash_index if split_trash(self.version) else self._cache.trash_index
+        index = (
+            self._cache.write_trash_index if split_trash(self.version) else self._cache.trash_index
+        )
         return int(index) // self.config.block_size
 
     def kv_tensors(self) -> list[Tensor]:
