@@ -134,11 +134,7 @@ def run_campaign(
     twins = KeptTwins(factory, backend=backend, stats=stats)
 
     def example(plans: list[StepPlan], example_seed: int) -> None:
-        if budget.spent():
-            raise ShrinkBudgetSpent
-        if out_of_time(stats, started, seconds) and not budget.found:
-            stats.stopped_by_time_budget = True
-            raise TimeBudgetSpent
+        budget.stop_if_spent(seconds)
         events = compile_schedule(spec, plans, seed=example_seed)
         budget.leading = leading_pair and stats.examples == 0  # explicit examples run first
         stats.examples += 1
@@ -171,12 +167,7 @@ def run_campaign(
 
     try:
         with storage_outside_the_project(), budget.ticking(), long_lived_objects_frozen():
-            try:
-                run_in_rounds(hypothesis_run, stats, started, seconds, chosen.max_examples)
-            except ShrinkBudgetSpent:
-                raise budget.smallest_failure() from None
-            except TimeBudgetSpent:
-                pass  # every example run passed: the campaign passed
+            run_in_rounds(hypothesis_run, budget, seconds, chosen.max_examples)
     except (GraphmodeFailure, HistoryFailure) as caught:
         failed = caught.failed if isinstance(caught, HistoryFailure) else caught
         failure = budget.annotated(failed.failure)
@@ -217,23 +208,30 @@ def long_lived_objects_frozen() -> Iterator[None]:
 
 def run_in_rounds(
     hypothesis_run: Callable[[int, int], Callable[[], None]],
-    stats: CampaignStats,
-    started: float,
+    budget: ShrinkBudget,
     seconds: float | None,
     max_examples: int,
 ) -> None:
     """Run a campaign's Hypothesis runs; `hypothesis_run(run, examples)` makes the `run`-th, of
-    `examples` examples. Without a time budget, one run of `max_examples`; with one, runs of
-    `ROUND_EXAMPLES` until the budget is spent, `max_examples` have run, or a run drew nothing."""
+    `examples` examples, whose test calls `budget.stop_if_spent(seconds)` first. Without a time
+    budget, one run of `max_examples`; with one, runs of `ROUND_EXAMPLES` until the budget is
+    spent, `max_examples` have run, or a run drew nothing. Raises the smallest failure found once
+    shrinking has had its time."""
+    stats = budget.stats
     run = 0
-    while not out_of_time(stats, started, seconds):
-        left = max_examples - stats.examples
-        before = stats.examples
-        hypothesis_run(run, left if seconds is None else min(left, ROUND_EXAMPLES))()
-        run += 1
-        if seconds is None or stats.examples in (before, max_examples):
-            return
-    stats.stopped_by_time_budget = True
+    try:
+        while not out_of_time(stats, budget.started, seconds):
+            left = max_examples - stats.examples
+            before = stats.examples
+            hypothesis_run(run, left if seconds is None else min(left, ROUND_EXAMPLES))()
+            run += 1
+            if seconds is None or stats.examples in (before, max_examples):
+                return
+        stats.stopped_by_time_budget = True
+    except ShrinkBudgetSpent:
+        raise budget.smallest_failure() from None
+    except TimeBudgetSpent:
+        pass  # every example run passed: the campaign passed
 
 
 def seeded(test: Callable[[], None], seed: int | None, run: int) -> Callable[[], None]:
@@ -305,6 +303,23 @@ class ShrinkBudget:
         self.leading = False
         self._unshrunk: str | None = None  # why the first failure is not shrunk, if it is not
         self._lock = threading.Lock()  # progress runs on the ticker thread too
+
+    @property
+    def stats(self) -> CampaignStats:
+        return self._stats
+
+    @property
+    def started(self) -> float:
+        return self._started
+
+    def stop_if_spent(self, seconds: float | None) -> None:
+        """Called before each example: ends Hypothesis's run once shrinking has had its time, or
+        once the campaign's time budget `seconds` is spent with nothing found."""
+        if self.spent():
+            raise ShrinkBudgetSpent
+        if out_of_time(self._stats, self._started, seconds) and not self.found:
+            self._stats.stopped_by_time_budget = True
+            raise TimeBudgetSpent
 
     def failed(self, error: Exception, unshrunk: str | None = None) -> None:
         self._last_failure = error

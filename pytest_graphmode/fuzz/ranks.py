@@ -38,10 +38,7 @@ from pytest_graphmode.contract import TargetFactory
 from pytest_graphmode.failure import Failure, GraphmodeFailure
 from pytest_graphmode.fuzz.campaign import (
     ShrinkBudget,
-    ShrinkBudgetSpent,
-    TimeBudgetSpent,
     campaign_spec,
-    out_of_time,
     run_in_rounds,
     seeded,
     storage_outside_the_project,
@@ -335,11 +332,7 @@ def run_rank_campaign(
         steps=rank_schedules(spec, ranks, max_steps), example_seed=st.integers(0, 2**31 - 1)
     )
     def example(steps: list[RankStep], example_seed: int) -> None:
-        if budget.spent():
-            raise ShrinkBudgetSpent
-        if out_of_time(stats, started, seconds) and not budget.found:
-            stats.stopped_by_time_budget = True
-            raise TimeBudgetSpent
+        budget.stop_if_spent(seconds)
         events = compile_rank_schedule(spec, steps, seed=example_seed)
         stats.examples += 1
         try:
@@ -363,18 +356,9 @@ def run_rank_campaign(
 
     try:
         with storage_outside_the_project(), budget.ticking():
-            try:
-                run_in_rounds(hypothesis_run, stats, started, seconds, chosen.max_examples)
-            except ShrinkBudgetSpent:
-                raise budget.smallest_failure() from None
-            except TimeBudgetSpent:
-                pass  # every example run passed: the campaign passed
-    except GraphmodeFailure as failed:
-        failure = budget.annotated(failed.failure)
-        stats.failures.append(failure)
-        raise GraphmodeFailure(failure, stats) from None
-    except RankAbort as aborted:
-        failure = budget.annotated(aborted.failure)
+            run_in_rounds(hypothesis_run, budget, seconds, chosen.max_examples)
+    except (GraphmodeFailure, RankAbort) as ended:
+        failure = budget.annotated(ended.failure)
         stats.failures.append(failure)
         raise GraphmodeFailure(failure, stats) from None
     finally:
