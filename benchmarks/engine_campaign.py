@@ -5,6 +5,12 @@ this checkout and a previous release installed into a directory put first on `PY
 one JSON line: the engine's version, examples, steps and the campaign's own seconds (imports and
 process start excluded).
 
+With `--kernel-share` (sim only) it also reports `kernel_seconds`: the time spent inside torch's
+own operator calls (its C++ dispatcher and CPU kernels), which the sim's dispatch mode makes for
+every ATen operation of the campaign. That is what an eager run of the same operations on the CPU
+costs without the sim, the harness or Hypothesis: `seconds / kernel_seconds` bounds the speed-up
+any engine change can give the same campaign.
+
     python benchmarks/engine_campaign.py --backend sim --examples 10 --steps 8 --seed 0
 """
 
@@ -12,7 +18,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
+from typing import Any
+
+
+def time_operator_calls() -> list[float]:
+    """Accumulate, in the returned one-item list, the seconds spent in outermost ATen operator
+    calls (`OpOverload.__call__`) from now on."""
+    import torch._ops
+
+    call = torch._ops.OpOverload.__call__
+    spent = [0.0]
+    depth = [0]
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        depth[0] += 1
+        start = time.perf_counter()
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+            if not depth[0]:
+                spent[0] += time.perf_counter() - start
+
+    torch._ops.OpOverload.__call__ = timed  # type: ignore[method-assign]
+    return spent
 
 
 def main() -> None:
@@ -21,18 +52,30 @@ def main() -> None:
     parser.add_argument("--examples", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kernel-share", action="store_true", help="sim only: time torch's calls")
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        help="run_campaign's cpu_threads (0: torch's own setting); left out: the engine's default, "
+        "so that engines without the argument run too",
+    )
     args = parser.parse_args()
+    if args.kernel_share and args.backend != "sim":
+        parser.error("--kernel-share needs --backend sim: on cuda no Python sees each operation")
 
     import pytest_graphmode
     from pytest_graphmode.fuzz import run_campaign
     from pytest_graphmode.runtime.target import make_target
 
+    kernel = time_operator_calls() if args.kernel_share else None
+    threads = {} if args.cpu_threads is None else {"cpu_threads": args.cpu_threads or None}
     stats = run_campaign(
         make_target,
         backend=args.backend,
         max_examples=args.examples,
         max_steps=args.steps,
         seed=args.seed,
+        **threads,
     )
     source = Path(pytest_graphmode.__file__).resolve().parent.parent
     print(
@@ -43,6 +86,7 @@ def main() -> None:
                 "steps": stats.steps,
                 "seconds": stats.seconds,
                 "failures": len(stats.failures),
+                "kernel_seconds": None if kernel is None else kernel[0],
             }
         )
     )

@@ -7,6 +7,12 @@ directory (`pip install --no-deps --target`, no network needed) and put first on
 a child process. Every engine runs the same campaign (examples, steps, seed) in a fresh process,
 in alternating order round after round, and the medians are compared. Without baselines the test
 measures this engine alone.
+
+The campaign is the size of what `pytest --graphmode-fuzz` runs by default (40 examples of up to 8
+steps: about what fits in the default profile's 20 s on sim), not the suite's CI budget: a campaign
+of 5 examples is mostly the process's first-use costs (torch's lazy imports at the first capture,
+the first twins' warm-ups), the same for every engine. `GRAPHMODE_ENGINE_EXAMPLES` and
+`GRAPHMODE_ENGINE_STEPS` change it.
 """
 
 from __future__ import annotations
@@ -16,13 +22,15 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from graph_workloads import Suite
 
 ROUNDS = int(os.environ.get("GRAPHMODE_ENGINE_ROUNDS", "3"))
+EXAMPLES = int(os.environ.get("GRAPHMODE_ENGINE_EXAMPLES", "40"))
+STEPS = int(os.environ.get("GRAPHMODE_ENGINE_STEPS", "8"))
 SCRIPT = Path(__file__).with_name("engine_campaign.py")
 
 
@@ -49,13 +57,13 @@ def baseline_sites(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return sites
 
 
-def _campaign(site: Path | None, backend: str, suite: Suite) -> dict[str, Any]:
+def _campaign(site: Path | None, backend: str, extra: Sequence[str] = ()) -> dict[str, Any]:
     env = dict(os.environ)
     if site is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--backend", backend,
-         "--examples", str(suite.fuzz_examples), "--steps", str(suite.fuzz_steps), "--seed", "0"],
+         "--examples", str(EXAMPLES), "--steps", str(STEPS), "--seed", "0", *extra],
         env=env, capture_output=True, text=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:
@@ -67,17 +75,23 @@ def _campaign(site: Path | None, backend: str, suite: Suite) -> dict[str, Any]:
 
 
 def test_engine_speedup(
-    benchmark: Any, graphmode_backend: Any, suite: Suite, baseline_sites: dict[str, Path]
+    benchmark: Any, graphmode_backend: Any, baseline_sites: dict[str, Path]
 ) -> None:
-    engines: dict[str, Path | None] = {"current": None, **baseline_sites}
+    # name -> (installed baseline or None for this checkout, extra arguments). "torch threads":
+    # this engine with torch's own CPU thread count, to show what the campaign's one thread gives.
+    engines: dict[str, tuple[Path | None, tuple[str, ...]]] = {
+        "current": (None, ()),
+        "current, torch threads": (None, ("--cpu-threads", "0")),
+        **{name: (site, ()) for name, site in baseline_sites.items()},
+    }
     rates: dict[str, list[float]] = {name: [] for name in engines}
 
     def one_round() -> None:
         order = list(engines.items())
         if len(rates["current"]) % 2:
             order.reverse()  # alternate, so drift of the machine does not favour one engine
-        for name, site in order:
-            result = _campaign(site, graphmode_backend.name, suite)
+        for name, (site, extra) in order:
+            result = _campaign(site, graphmode_backend.name, extra)
             assert result["failures"] == 0, (name, result)
             rates[name].append(result["steps"] / result["seconds"])
 
@@ -85,8 +99,8 @@ def test_engine_speedup(
     benchmark.group = "16 engine speedup"
     medians = {name: statistics.median(r) for name, r in rates.items()}
     benchmark.extra_info.update(
-        examples=suite.fuzz_examples,
-        steps_per_example=suite.fuzz_steps,
+        examples=EXAMPLES,
+        steps_per_example=STEPS,
         steps_per_s=medians,
         speedup_over={
             name: medians["current"] / rate for name, rate in medians.items() if name != "current"

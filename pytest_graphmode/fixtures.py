@@ -89,7 +89,12 @@ class GraphmodeFuzz:
             from pytest_graphmode.fuzz.ranks import run_rank_campaign
 
             campaign = functools.partial(run_rank_campaign, ranks=run.ranks)
-        campaign = functools.partial(campaign, shrink_seconds=run.shrink_seconds, seconds=seconds)
+        campaign = functools.partial(
+            campaign,
+            shrink_seconds=run.shrink_seconds,
+            seconds=seconds,
+            cpu_threads=run.cpu_threads,
+        )
 
         def on_progress(current: CampaignStats) -> None:
             announce(current)

@@ -281,6 +281,7 @@ def _run_facts(settings: GraphmodeSettings) -> dict[str, Any]:
         "ranks": settings.ranks,
         "shrink_seconds": settings.shrink_seconds,
         "isolate": settings.isolate_option,
+        "cpu_threads": settings.cpu_threads,
     }
 
 

@@ -51,6 +51,8 @@ PROFILES = {
     "nightly": Profile(examples=500, steps=24),
 }
 DEFAULT_SHRINK_SECONDS = 20.0
+DEFAULT_CPU_THREADS = 1
+"""torch's intra-op CPU threads during a campaign (fuzz/campaign_process.py says why 1)."""
 ISOLATE = ("auto", "on", "off")
 WORKER_SEED = "graphmode_seed"
 """The xdist controller's base seed, handed to every worker in `workerinput`."""
@@ -84,6 +86,13 @@ OPTIONS: dict[str, tuple[str, str]] = {
         f"time limit on shrinking a failure, in seconds (default {DEFAULT_SHRINK_SECONDS:g}; 0: "
         "report the failure as found)",
     ),
+    "cpu_threads": (
+        "N",
+        f"torch's intra-op CPU threads while a campaign runs (default {DEFAULT_CPU_THREADS}: a "
+        "campaign's host "
+        "tensors are tiny, and on a busy machine parallel kernels wait for cores; 0: leave "
+        "torch's setting)",
+    ),
     "isolate": (
         "{auto,on,off}",
         "run each campaign in a child process, so that a device fault is reported as a failure "
@@ -108,9 +117,10 @@ class GraphmodeSettings:
     report: Path | None
     shrink_seconds: float
     isolate_option: str
-    seconds: float | None = (
-        None  # the time budget of each campaign's examples (None: none)  # auto: campaigns on cuda run in a child process (fuzz/isolation.py)
-    )
+    # the time budget of each campaign's examples (None: none)
+    seconds: float | None = None
+    # torch's intra-op CPU threads during a campaign (None: torch's own setting)
+    cpu_threads: int | None = DEFAULT_CPU_THREADS
     ranks: int = 1
 
     @cached_property
@@ -218,6 +228,7 @@ def resolve(config: pytest.Config) -> GraphmodeSettings:
         shrink_seconds=_parse_seconds("shrink_seconds", raw["shrink_seconds"]),
         isolate_option=isolate,
         ranks=1 if raw["ranks"] is None else _parse_int("ranks", raw["ranks"]),
+        cpu_threads=_cpu_threads(raw["cpu_threads"]),
     )
 
 
@@ -263,6 +274,13 @@ def _parse_seconds(name: str, text: str | None) -> float:
             f"{option_flag(name)} / graphmode_{name}: {text!r} is not a number of seconds >= 0"
         )
     return value
+
+
+def _cpu_threads(text: str | None) -> int | None:
+    """--graphmode-cpu-threads: the default when unset, None (torch's own setting) for 0."""
+    if text is None:
+        return DEFAULT_CPU_THREADS
+    return _parse_int("cpu_threads", text, minimum=0) or None
 
 
 def _parse_int(name: str, text: str, minimum: int = 1) -> int:

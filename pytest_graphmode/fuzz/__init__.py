@@ -6,7 +6,7 @@ Public API (stable; the pytest plugin is built on it):
 
 - `run_campaign(factory, *, backend="sim", max_examples=50, max_steps=12, seed=None,
   features=None, progress=None, settings=None, stats=None, shrink_seconds=None,
-  on_example=None, pipelined=True, seconds=None) -> CampaignStats`: Hypothesis draws schedules of legal
+  on_example=None, pipelined=True, seconds=None, cpu_threads=1) -> CampaignStats`: Hypothesis draws schedules of legal
   batches and stressors (with pipelined pairs unless `pipelined=False`, the first example then
   being the simplest pipelined pair; each schedule switches a random part of the features and
   stressors off, `strategies/swarm.py`), run on twins kept across examples (`kept_twins.py`,
@@ -15,7 +15,8 @@ Public API (stable; the pytest plugin is built on it):
   raised as `GraphmodeFailure` (its `.stats` holds the statistics so far). `stats` is counted
   into as the campaign runs, so its caller keeps the counts of an interrupted campaign.
   `seconds` is a time budget: no example starts once it is spent, and the campaign then passes
-  (a failure found before is still shrunk and raised).
+  (a failure found before is still shrunk and raised). `cpu_threads` sets torch's intra-op CPU
+  threads while it runs (None: as they are; `campaign_process.py` says why 1).
 - `isolation.run_isolated(...)`: the same campaign in a child process; a device fault or a dead
   child is a failure of `no_device_fault` (docs/ci.md, "Device faults").
 - `replay(batches, *, factory, backend="sim", seed=0) -> CampaignStats`: re-run a concrete

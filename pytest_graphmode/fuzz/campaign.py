@@ -11,7 +11,6 @@ and a failing example re-runs through exactly the code path `replay` uses.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import random
 import tempfile
 import threading
@@ -25,6 +24,12 @@ from hypothesis import strategies as st
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, TargetFactory, TargetSpec
 from pytest_graphmode.failure import Failure, GraphmodeFailure
+from pytest_graphmode.fuzz.campaign_process import (
+    DEFAULT_CPU_THREADS,
+    check_cpu_threads,
+    long_lived_objects_frozen,
+    torch_cpu_threads,
+)
 from pytest_graphmode.fuzz.kept_twins import HistoryFailure, KeptTwins
 from pytest_graphmode.fuzz.registry import NO_DEVICE_FAULT, is_device_fault
 from pytest_graphmode.settings import hypothesis_settings
@@ -100,6 +105,7 @@ def run_campaign(
     on_example: Callable[[int, Sequence[Batch | Stress]], None] | None = None,
     pipelined: bool = True,
     seconds: float | None = None,
+    cpu_threads: int | None = DEFAULT_CPU_THREADS,
 ) -> CampaignStats:
     """Fuzz `factory`'s targets; return the statistics, or raise `GraphmodeFailure` (carrying
     them as `.stats`) for the first failure, shrunk to its smallest schedule.
@@ -117,10 +123,13 @@ def run_campaign(
     simplest pipelined pair (`first_pair`), one of the campaign's examples. `seconds` is a time
     budget: once that many seconds have passed since the campaign started, no new example starts
     and the campaign ends as passed (a failure found before is shrunk as always, within
-    `shrink_seconds`); `max_examples` still caps the count.
+    `shrink_seconds`); `max_examples` still caps the count. `cpu_threads`: torch's intra-op
+    CPU threads while the campaign runs (None: as they are; `campaign_process.torch_cpu_threads`
+    says why 1).
     """
     if seconds is not None and not seconds > 0:
         raise ValueError(f"seconds={seconds!r} must be a number of seconds > 0, or None")
+    check_cpu_threads(cpu_threads)
     spec = campaign_spec(factory, backend, features)
     stats = CampaignStats() if stats is None else stats
     started = time.perf_counter()
@@ -166,7 +175,12 @@ def run_campaign(
         return seeded(test, seed, run)
 
     try:
-        with storage_outside_the_project(), budget.ticking(), long_lived_objects_frozen():
+        with (
+            storage_outside_the_project(),
+            budget.ticking(),
+            long_lived_objects_frozen(),
+            torch_cpu_threads(cpu_threads),
+        ):
             run_in_rounds(hypothesis_run, budget, seconds, chosen.max_examples)
     except (GraphmodeFailure, HistoryFailure) as caught:
         failed = caught.failed if isinstance(caught, HistoryFailure) else caught
@@ -184,26 +198,6 @@ ROUND_EXAMPLES = 50
 """Examples per Hypothesis run of a campaign with a time budget. Hypothesis draws the first tenth
 of a run's examples (at most 50) as small as it can, so one run sized for the cap would spend its
 first 50 examples on one-step schedules; runs of the ci profile's size draw as a ci campaign does."""
-
-
-@contextmanager
-def long_lived_objects_frozen() -> Iterator[None]:
-    """Keep the objects that exist before the campaign (torch, Hypothesis, the runner's modules)
-    out of the cycle collector's way while it runs, unfrozen afterwards.
-
-    A full collection walks every tracked object. Closing a graph memory pool on cuda needs one
-    (graphs caught in reference cycles hold their memory until collected), once per twin closed,
-    and with torch's heap that walk took about 0.15 s on the H200 host; frozen, it walks only
-    what the campaign made. A heap someone else froze is left as they arranged it.
-    """
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def run_in_rounds(

@@ -33,6 +33,7 @@ import hypothesis
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, GraphTarget, TargetFactory
 from pytest_graphmode.failure import Failure, GraphmodeFailure
+from pytest_graphmode.fuzz.campaign_process import DEFAULT_CPU_THREADS
 from pytest_graphmode.fuzz.registry import NO_DEVICE_FAULT, is_device_fault
 from pytest_graphmode.strategies.plans import Stress
 
@@ -71,6 +72,7 @@ def run_isolated(
     shrink_seconds: float | None = None,
     silence_limit: float = SILENCE_LIMIT_SECONDS,
     seconds: float | None = None,
+    cpu_threads: int | None = DEFAULT_CPU_THREADS,
 ) -> CampaignStats:
     """`run_campaign` with the same arguments, run in a child process; a child that faults or
     dies is a `GraphmodeFailure` of `no_device_fault`. `factory` must pickle (`can_isolate`)."""
@@ -90,6 +92,7 @@ def run_isolated(
         settings=settings,
         shrink_seconds=shrink_seconds,
         seconds=seconds,
+        cpu_threads=cpu_threads,
     )
     context = multiprocessing.get_context("spawn")
     receiver, sender = context.Pipe(duplex=False)

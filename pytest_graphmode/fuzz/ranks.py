@@ -43,6 +43,7 @@ from pytest_graphmode.fuzz.campaign import (
     seeded,
     storage_outside_the_project,
 )
+from pytest_graphmode.fuzz.campaign_process import DEFAULT_CPU_THREADS, check_cpu_threads
 from pytest_graphmode.fuzz.rank_checks import RANKS_ARRIVE
 from pytest_graphmode.fuzz.rank_group import COLLECTIVES, STATUS_FIELDS, RankGroup
 from pytest_graphmode.fuzz.rank_lockstep import Finding
@@ -74,7 +75,18 @@ class RankAbort(BaseException):
 class RankPool:
     """`ranks` processes, each holding one rank of the group; `run` runs one example on all."""
 
-    def __init__(self, factory: TargetFactory, *, backend: str, ranks: int, timeout: float) -> None:
+    def __init__(
+        self,
+        factory: TargetFactory,
+        *,
+        backend: str,
+        ranks: int,
+        timeout: float,
+        cpu_threads: int | None = None,
+    ) -> None:
+        """`cpu_threads`: torch's intra-op CPU threads in each rank process (None: torch's
+        default there; `campaign_process.torch_cpu_threads` says why a campaign asks for 1)."""
+        check_cpu_threads(cpu_threads)
         if ranks < 2:
             raise ValueError(f"ranks={ranks}: a data-parallel run needs at least 2 ranks")
         self.ranks, self.timeout, self.backend = ranks, timeout, backend
@@ -89,7 +101,17 @@ class RankPool:
             mine, theirs = context.Pipe()
             process = context.Process(
                 target=_rank_main,
-                args=(rank, ranks, backend, factory, rendezvous, theirs, self._status, timeout),
+                args=(
+                    rank,
+                    ranks,
+                    backend,
+                    factory,
+                    rendezvous,
+                    theirs,
+                    self._status,
+                    timeout,
+                    cpu_threads,
+                ),
                 name=f"graphmode-rank-{rank}",
                 daemon=True,
             )
@@ -214,9 +236,14 @@ def _rank_main(
     conn: Connection,
     status: Any,
     timeout: float,
+    cpu_threads: int | None,
 ) -> None:
     """A rank process: join the group, then run examples until asked to close."""
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on every machine
+    if cpu_threads is not None:  # for the process's life: it serves this campaign only
+        import torch
+
+        torch.set_num_threads(cpu_threads)
     try:
         group = RankGroup.join(
             rank, world, backend, rendezvous, status, timedelta(seconds=2 * timeout + 60)
@@ -313,20 +340,21 @@ def run_rank_campaign(
     timeout: float = DEFAULT_TIMEOUT,
     seconds: float | None = None,
     shrink_seconds: float | None = None,
+    cpu_threads: int | None = DEFAULT_CPU_THREADS,
 ) -> CampaignStats:
     """`run_campaign` over `ranks` data-parallel ranks: every check of one rank on every rank,
     plus the checks of `registry.RANK_CHECKS`: `ranks_agree` (every rank runs the same graph at
     every step) and `ranks_arrive` (no collective hangs for `timeout` seconds). Statistics count
     the steps of every rank; `stats`, when given, is counted into as in `run_campaign`, and so are
-    the time budget `seconds` and the limit on shrinking `shrink_seconds` (a shrink step of a
-    hanging rank costs `timeout`)."""
+    the time budget `seconds`, the limit on shrinking `shrink_seconds` (a shrink step of a
+    hanging rank costs `timeout`) and torch's CPU threads `cpu_threads`, here in every rank."""
     spec = campaign_spec(factory, backend, features)
     stats = CampaignStats() if stats is None else stats
     stats.time_budget_seconds = seconds
     stats.shrink_budget_seconds = shrink_seconds
     started = time.perf_counter()
     budget = ShrinkBudget(stats, started, shrink_seconds, progress)
-    pool = RankPool(factory, backend=backend, ranks=ranks, timeout=timeout)
+    pool = RankPool(factory, backend=backend, ranks=ranks, timeout=timeout, cpu_threads=cpu_threads)
 
     @hypothesis.given(
         steps=rank_schedules(spec, ranks, max_steps), example_seed=st.integers(0, 2**31 - 1)

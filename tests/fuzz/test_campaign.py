@@ -280,3 +280,30 @@ def test_a_campaign_freezes_the_heap_it_found_while_it_runs_and_only_then():
         assert gc.get_freeze_count() > 0  # not unfrozen by the campaign
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize(("asked", "inside"), [(1, 1), (3, 3), (None, 2)])
+def test_a_campaign_runs_with_the_cpu_threads_asked_and_restores_torchs(asked, inside):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen: list[int] = []
+        run_campaign(
+            toy.make_target,
+            max_examples=2,
+            seed=1,
+            cpu_threads=asked,
+            on_example=lambda *_: seen.append(torch.get_num_threads()),
+        )
+        assert seen == [inside, inside] and torch.get_num_threads() == 2
+        with pytest.raises(GraphmodeFailure):
+            run_campaign(toy.factory(["drift"]), max_examples=3, seed=1, cpu_threads=asked)
+        assert torch.get_num_threads() == 2  # restored after a failure too
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("count", [0, -1, 1.5, True])
+def test_cpu_threads_must_be_a_count_of_at_least_one(count):
+    with pytest.raises(ValueError, match="must be a number of threads >= 1, or None"):
+        run_campaign(toy.make_target, max_examples=1, cpu_threads=count)

@@ -232,6 +232,7 @@ def test_json_report_holds_the_run_and_its_results(broken_run: Run) -> None:
         "ranks": 1,
         "shrink_seconds": 20.0,
         "isolate": "auto",
+        "cpu_threads": 1,
     }
     assert report["campaigns"] == 1
     assert report["checks_run"]["replay_matches_eager"] >= 1

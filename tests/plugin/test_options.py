@@ -97,6 +97,7 @@ def test_cuda_marked_test_is_skipped_with_a_reason_without_a_gpu(
         ("--graphmode-examples=many", "*graphmode_examples: 'many' is not an integer >= 1*"),
         ("--graphmode-seed=-3", "*graphmode_seed: '-3' is not an integer >= 0*"),
         ("--graphmode-seconds=soon", "*graphmode_seconds: 'soon' is not a number of seconds >= 0*"),
+        ("--graphmode-cpu-threads=-1", "*graphmode_cpu_threads: '-1' is not an integer >= 0*"),
     ],
 )
 def test_bad_option_value_is_a_usage_error(

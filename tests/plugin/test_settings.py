@@ -21,6 +21,7 @@ def test_campaign_settings(graphmode_fuzz, monkeypatch):
     settings = seen["settings"]
     print("phases", ",".join(sorted(phase.name for phase in settings.phases)))
     print("database", settings.database, "examples", settings.max_examples)
+    print("cpu_threads", seen["cpu_threads"])
 """
 
 
@@ -39,5 +40,18 @@ def test_the_fixture_runs_campaigns_with_the_engine_settings(pytester: pytest.Py
         [
             "*phases explicit,generate,reuse,shrink,target",
             "database None examples 4",
+            "cpu_threads 1",
         ]
     )
+
+
+@pytest.mark.parametrize(
+    ("option", "threads"), [("--graphmode-cpu-threads=3", 3), ("--graphmode-cpu-threads=0", None)]
+)
+def test_the_fixture_passes_the_cpu_threads_asked(
+    pytester: pytest.Pytester, option: str, threads: int | None
+) -> None:
+    pytester.makepyfile(SPY_ON_THE_ENGINE)
+    result = pytester.runpytest("-s", option)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"cpu_threads {threads}"])
