@@ -102,6 +102,7 @@ def test_engine_speedup(
         examples=EXAMPLES,
         steps_per_example=STEPS,
         steps_per_s=medians,
+        steps_per_s_each_round=rates,
         speedup_over={
             name: medians["current"] / rate for name, rate in medians.items() if name != "current"
         },
