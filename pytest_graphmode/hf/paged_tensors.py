@@ -1,8 +1,8 @@
-"""transformers 5.11 to 5.17: the paged cache as one key and one value tensor per layer.
+"""transformers 5.6 to 5.17: the paged cache as one key and one value tensor per layer.
 
 Each tensor has `(num_blocks + 2) * block_size` rows, slot-major already: the allocatable blocks,
 then two trash blocks. From 5.13 the first is the read trash (zeroed, what padding tokens read) and
-the second the write trash (where padding tokens write, never read). 5.11 and 5.12 leave the first
+the second the write trash (where padding tokens write, never read). 5.6 to 5.12 leave the first
 unused: their padding tokens read and write one slot of the second, their `trash_index`. A
 request's block ids go into the block table of the one layer group's `FullAttentionCacheAllocator`, kept in the cache's `group_cache_managers`.
 """
@@ -16,7 +16,7 @@ from pytest_graphmode.hf.versions import UnsupportedTransformers, split_trash
 
 
 class PagedTensorsEngine(Engine):
-    """`Engine` over the per-layer key and value tensors of transformers 5.11 to 5.17."""
+    """`Engine` over the per-layer key and value tensors of transformers 5.6 to 5.17."""
 
     layout = "paged_tensors"
     block_size_option = "block_size"
