@@ -158,7 +158,16 @@ class Engine(ABC):
             generation_config=generation, continuous_batching_config=cb_config
         )
         # Its warm-up captures the largest graph first, so later captures fit in its pool.
-        self._manager.warmup()
+        if has(self.version, "self_sized_warmup"):
+            self._manager.warmup()
+        elif has(self.version, "warmup"):
+            # The sizes later releases choose: their defaults here ask for more pages than the
+            # cache has, and the warm-up would capture nothing.
+            queries = config.max_batch_tokens
+            self._manager.warmup(queries, config.max_position - queries)
+        else:
+            # 5.4 has no warm-up: each graph is captured by the first batch of its sizes.
+            self._manager.batch_processor = self._manager._create_batch_processor()
         self._processor: Any = self._manager.batch_processor
         self._cache: Any = self._processor.cache
         self._io: Any = self._processor.inputs_and_outputs
@@ -167,7 +176,9 @@ class Engine(ABC):
             self._processor.model_runner if has(self.version, "model_runner") else self._processor
         )
         self._check_layout()
-        self.graphs = bool(self._processor.cb_config.use_cuda_graph[0])
+        # One flag for both paths up to 5.5, a (varlen, decode) pair from 5.6.
+        flag = self._processor.cb_config.use_cuda_graph
+        self.graphs = bool(flag[0] if has(self.version, "graph_flag_per_path") else flag)
 
     def _attention(self, cb_fields: set[str]) -> tuple[str, dict[str, Any]]:
         """The attention implementation to set on the model, and the ContinuousBatchingConfig
@@ -245,28 +256,35 @@ class Engine(ABC):
             state.tokens_to_process = list(request.tokens)
             state.position_offset = request.context_len
             table[name] = list(request.block_ids)
-            futures.append(FutureRequestState(state, True, 0, len(request.tokens)))
+            # Up to 5.5 the query length is the state's `tokens_to_process`, not an argument.
+            query = (len(request.tokens),) if has(self.version, "future_query_length") else ()
+            futures.append(FutureRequestState(state, True, 0, *query))
         try:
-            return self._run(futures, len(requests))
+            return self._run(futures, requests)
         finally:
             for request in requests:
                 table.pop(f"graphmode-{request.request_id}", None)
 
     @torch.no_grad()
-    def _run(self, futures: list[Any], num_requests: int) -> EngineStep:
+    def _run(self, futures: list[Any], requests: Sequence[EngineRequest]) -> EngineStep:
         self._before_step()
-        num_q = sum(f.query_length for f in futures)
-        kv_read = sum(f.state.position_offset for f in futures)
+        num_requests = len(requests)
+        num_q = sum(len(request.tokens) for request in requests)
+        kv_read = sum(request.context_len for request in requests)
         padded_q, padded_kv = self._pad(num_q, kv_read)
         # From 5.13 the IO object pads the batch as it stages it; up to 5.12 it pads when
         # `_generation_step` hands the batch to the model, with the same flag.
         padding = {"use_padding": self._runner.pad_inputs} if split_trash(self.version) else {}
-        self._io.prepare_batch_tensors(
-            futures, self._processor.logit_processor, False, padded_q, padded_kv, **padding
-        )
         graphs_before = len(self._io.graphs._storage)
-        self._processor._generation_step(self.model)
-        key = self._io._get_graph_key() if self.graphs else None
+        if has(self.version, "staged_logits_processor"):
+            self._io.prepare_batch_tensors(
+                futures, self._processor.logit_processor, False, padded_q, padded_kv, **padding
+            )
+            self._processor._generation_step(self.model)
+        else:
+            self._io.prepare_batch_tensors(futures, False, padded_q, padded_kv)
+            self._processor._generation_step(self.model, self._manager.logit_processor)
+        key = self._graph_key() if self.graphs else None
         step = EngineStep(
             logits=self._logits[:num_requests].float().clone(),
             tokens=self._io.output_ids[0, :num_requests].to(torch.int64),
@@ -279,6 +297,13 @@ class Engine(ABC):
         if self._logits.is_cuda:
             torch.cuda.current_stream(self._logits.device).synchronize()
         return step
+
+    def _graph_key(self) -> Hashable:
+        """The key transformers stores the step's graph under."""
+        if has(self.version, "graph_key"):
+            return self._io._get_graph_key()
+        # Up to 5.5 the graph store is keyed by the padded sizes alone.
+        return (self._io.num_q_tokens, self._io.max_kv_read)
 
     def _pad(self, num_q: int, kv_read: int) -> tuple[int, int]:
         """The query and KV-read sizes transformers pads a varlen batch of these sizes to."""

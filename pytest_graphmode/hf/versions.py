@@ -3,23 +3,24 @@
 transformers' continuous-batching surface is private and moves between releases. Two layouts of
 its paged KV cache are supported, each by a module of its own:
 
-- `"paged_tensors"` (5.6 to 5.17, `pytest_graphmode.hf.paged_tensors`): one key and one value
+- `"paged_tensors"` (5.4 to 5.17, `pytest_graphmode.hf.paged_tensors`): one key and one value
   tensor per layer, slot-major, with the two trash blocks after the allocatable ones;
 - `"sector_cache"` (5.18 to 5.24, `pytest_graphmode.hf.sector_cache`): one flat byte tensor split
   into sectors by per-attention-type allocators, each block holding a page of every layer, with
   the two trash sectors first.
 
 Within a layout, what moved between releases is named in `SINCE`, each entry with the first release
-that has it, and asked with `has()`: where a batch's sizes are padded, which options
-`ContinuousBatchingConfig` takes, whether the logits are cut to the batch's requests, and whether
-padding reads a zeroed block apart from the one it writes.
+that has it, and asked with `has()`: how the batch processor is built and warmed up, which options
+`ContinuousBatchingConfig` takes, what a step is handed, where a batch's sizes are padded, how graphs
+are keyed, whether the logits are cut to the batch's requests, and whether padding reads a zeroed
+block apart from the one it writes.
 
 Every 5.x release since 5.0 captures CUDA graphs of its varlen path keyed by its padded query and
-KV sizes; 5.0 to 5.5 are not driven yet (docs/targets-hf.md, "Versions"): 5.0 to 5.3 have no
-`ContinuousBatchingConfig` (their options are arguments of `init_continuous_batching`) and pad a
-batch inside the generation step, and 5.4 and 5.5 hand the logits processor to every step rather
-than to the IO object, key graphs without `_get_graph_key` and keep one CUDA-graph flag for both
-paths.
+KV sizes. 5.0 to 5.3 are not driven yet (docs/targets-hf.md, "Versions"): they have no
+`ContinuousBatchingConfig` (the cache and graph options are attributes of the `GenerationConfig`
+and arguments of `init_continuous_batching`), their generation step pads the batch itself and takes
+the sampling mode as an argument, 5.1 and 5.2 stage `RequestState`s rather than
+`FutureRequestState`s, and 5.0 has no IO object: the batch processor stages the batch.
 
 `check_version()` admits exactly the supported releases and says what to install otherwise.
 """
@@ -32,21 +33,56 @@ from typing import Literal
 
 Layout = Literal["paged_tensors", "sector_cache"]
 
-# (first release, first release beyond) of each layout. 5.6 is the first release whose IO object
-# keys its graphs with `_get_graph_key` and takes the logits processor when it stages a batch
-# rather than at every step; 5.18 replaces the per-group block tables and the trailing trash
-# blocks with sector allocators and a flat byte cache; 5.24 is the newest release the sector layout
-# was read and run against (docs/targets-hf.md, "Versions").
+# (first release, first release beyond) of each layout. 5.4 is the first release with a
+# `ContinuousBatchingConfig` and an IO object that stages a batch at sizes it is given; 5.18
+# replaces the per-group block tables and the trailing trash blocks with sector allocators and a
+# flat byte cache; 5.24 is the newest release the sector layout was read and run against
+# (docs/targets-hf.md, "Versions").
 LAYOUTS: dict[Layout, tuple[tuple[int, int], tuple[int, int]]] = {
-    "paged_tensors": ((5, 6), (5, 18)),
+    "paged_tensors": ((5, 4), (5, 18)),
     "sector_cache": ((5, 18), (5, 25)),
 }
-SUPPORTED = "transformers>=5.6,<5.25"
+SUPPORTED = "transformers>=5.4,<5.25"
 Feature = Literal[
-    "maybe_pad_inputs", "model_runner", "seed_option", "max_requests_per_batch", "split_trash"
+    "warmup",
+    "self_sized_warmup",
+    "staged_logits_processor",
+    "graph_key",
+    "graph_flag_per_path",
+    "trash_index",
+    "future_query_length",
+    "maybe_pad_inputs",
+    "model_runner",
+    "seed_option",
+    "max_requests_per_batch",
+    "split_trash",
 ]
 # The first release with each piece of surface the engine adapts to.
 SINCE: dict[Feature, tuple[int, int]] = {
+    # `ContinuousBatchingManager.warmup()` builds the batch processor and captures the largest
+    # varlen graph; before, the processor is built by `_create_batch_processor()` and nothing is
+    # captured ahead of the first batch.
+    "warmup": (5, 5),
+    # `warmup()` sizes its varlen capture to the cache (`max_batch_tokens` queries after the rest
+    # of the cache's pages); before, it takes the sizes as arguments, and its defaults
+    # (`block_size` cached tokens per query token) can ask for more pages than a small cache has.
+    "self_sized_warmup": (5, 7),
+    # The IO object takes the logits processor when it stages a batch
+    # (`prepare_batch_tensors(requests, logits_processor, ...)`) and `_generation_step(model)`
+    # does not; before, the manager's processor is an argument of every `_generation_step`.
+    "staged_logits_processor": (5, 6),
+    # `inputs_and_outputs._get_graph_key()`; before, the graph store is keyed by
+    # `(num_q_tokens, max_kv_read)`.
+    "graph_key": (5, 6),
+    # `ContinuousBatchingConfig.use_cuda_graph` resolves to a (varlen, decode) pair; before, to one
+    # flag for both paths.
+    "graph_flag_per_path": (5, 6),
+    # `PagedAttentionCache.trash_index`, the slot padding reads and writes (the last row but one);
+    # before, padding indices are -2, which indexing resolves to the same row.
+    "trash_index": (5, 6),
+    # `FutureRequestState(state, has_new_token, complete_blocks, query_length)`; before, the query
+    # length is that of the state's `tokens_to_process`.
+    "future_query_length": (5, 6),
     # `maybe_pad_inputs(num_q, kv_read, decode_fast_path)` pads a batch's sizes; before, the
     # scheduling step pads them inline with the same two `pad_to_interval` calls.
     "maybe_pad_inputs": (5, 8),

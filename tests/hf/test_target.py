@@ -13,6 +13,7 @@ from pytest_graphmode.hf.engine import EngineConfig, llama
 from pytest_graphmode.hf.target import HFTarget, make_target
 from pytest_graphmode.hf.versions import (
     check_version,
+    has,
     installed_layout,
     split_trash,
     support_problem,
@@ -171,6 +172,20 @@ def test_the_sim_graph_twin_captures_then_replays_transformers_graph() -> None:
     assert replayed.path == "full" and replayed.graph_key is not None
     assert torch.equal(replayed.next_tokens, expected.next_tokens)
     torch.testing.assert_close(replayed.logits, expected.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_the_warm_up_captures_the_largest_graph_before_the_first_step() -> None:
+    graph = make_target("graph", seed=0, backend="sim")
+    keys = list(graph.engine._io.graphs._storage)
+    graph.close()
+    # 5.4 has no warm-up: its first graph is captured by the first batch of its sizes.
+    if not has(check_version(), "warmup"):
+        assert keys == []
+        return
+    # Its varlen graph at the most query tokens, after a cache full but for them.
+    config = EngineConfig()
+    queries = config.max_batch_tokens
+    assert [key[:2] for key in keys] == [(queries, config.max_position - queries)]
 
 
 def test_making_a_target_leaves_the_global_generator_alone() -> None:
