@@ -16,11 +16,12 @@ are keyed, whether the logits are cut to the batch's requests, and whether paddi
 block apart from the one it writes.
 
 Every 5.x release since 5.0 captures CUDA graphs of its varlen path keyed by its padded query and
-KV sizes. 5.0 to 5.3 are not driven yet (docs/targets-hf.md, "Versions"): they have no
-`ContinuousBatchingConfig` (the cache and graph options are attributes of the `GenerationConfig`
-and arguments of `init_continuous_batching`), their generation step pads the batch itself and takes
-the sampling mode as an argument, 5.1 and 5.2 stage `RequestState`s rather than
-`FutureRequestState`s, and 5.0 has no IO object: the batch processor stages the batch.
+KV sizes. 5.0 to 5.3 are refused all the same (docs/targets-hf.md, "Versions"): they build their
+paged cache, scheduler and batch processor only inside the background generation loop (there is no
+`_create_batch_processor` and no warm-up), so an engine that replaces the scheduler would have to
+rebuild that construction itself rather than call transformers'; they also have no
+`ContinuousBatchingConfig` (the cache sizes are `GenerationConfig` attributes, the graph options
+`init_continuous_batching` arguments), and their generation step pads the batch itself.
 
 `check_version()` admits exactly the supported releases and says what to install otherwise.
 """
