@@ -34,8 +34,9 @@ from typing import Literal
 
 Layout = Literal["paged_tensors", "sector_cache"]
 
-# (first release, first release beyond) of each layout. 5.4 is the first release with a
-# `ContinuousBatchingConfig` and an IO object that stages a batch at sizes it is given; 5.18
+# (first release, first release beyond) of each layout. 5.4 is the first release that builds its
+# batch processor apart from the generation loop (`_create_batch_processor`), from a
+# `ContinuousBatchingConfig`, with an IO object that stages a batch at sizes it is given; 5.18
 # replaces the per-group block tables and the trailing trash blocks with sector allocators and a
 # flat byte cache; 5.24 is the newest release the sector layout was read and run against
 # (docs/targets-hf.md, "Versions").
@@ -46,28 +47,24 @@ LAYOUTS: dict[Layout, tuple[tuple[int, int], tuple[int, int]]] = {
 SUPPORTED = "transformers>=5.4,<5.25"
 Feature = Literal[
     "warmup",
-    "self_sized_warmup",
     "staged_logits_processor",
     "graph_key",
     "graph_flag_per_path",
     "trash_index",
     "future_query_length",
+    "self_sized_warmup",
     "maybe_pad_inputs",
     "model_runner",
     "seed_option",
     "max_requests_per_batch",
     "split_trash",
 ]
-# The first release with each piece of surface the engine adapts to.
+# The first release with each piece of surface the engine adapts to, oldest first.
 SINCE: dict[Feature, tuple[int, int]] = {
     # `ContinuousBatchingManager.warmup()` builds the batch processor and captures the largest
     # varlen graph; before, the processor is built by `_create_batch_processor()` and nothing is
     # captured ahead of the first batch.
     "warmup": (5, 5),
-    # `warmup()` sizes its varlen capture to the cache (`max_batch_tokens` queries after the rest
-    # of the cache's pages); before, it takes the sizes as arguments, and its defaults
-    # (`block_size` cached tokens per query token) can ask for more pages than a small cache has.
-    "self_sized_warmup": (5, 7),
     # The IO object takes the logits processor when it stages a batch
     # (`prepare_batch_tensors(requests, logits_processor, ...)`) and `_generation_step(model)`
     # does not; before, the manager's processor is an argument of every `_generation_step`.
@@ -84,6 +81,10 @@ SINCE: dict[Feature, tuple[int, int]] = {
     # `FutureRequestState(state, has_new_token, complete_blocks, query_length)`; before, the query
     # length is that of the state's `tokens_to_process`.
     "future_query_length": (5, 6),
+    # `warmup()` sizes its varlen capture to the cache (`max_batch_tokens` queries after the rest
+    # of the cache's pages); before, it takes the sizes as arguments, and its defaults
+    # (`block_size` cached tokens per query token) can ask for more pages than a small cache has.
+    "self_sized_warmup": (5, 7),
     # `maybe_pad_inputs(num_q, kv_read, decode_fast_path)` pads a batch's sizes; before, the
     # scheduling step pads them inline with the same two `pad_to_interval` calls.
     "maybe_pad_inputs": (5, 8),
