@@ -2,10 +2,12 @@
 
 This module drives what every supported release shares: the manager (`init_continuous_batching`),
 its batch processor, the IO object that pads and stages a batch (`prepare_batch_tensors`), the
-model runner (`maybe_pad_inputs`, `compute_batch`) and the graph store keyed by padded sizes. Where
-the releases differ, in how the paged KV cache is laid out and where a request's block table lives,
-`Engine` leaves the work to a subclass per layout (`pytest_graphmode.hf.paged_tensors`,
-`pytest_graphmode.hf.sector_cache`); `pytest_graphmode.hf.versions` says which release has which.
+part that pads a batch's sizes and captures or replays its graph (the model runner from 5.9, the
+batch processor before) and the graph store keyed by padded sizes. Where the releases differ in how
+the paged KV cache is laid out and where a request's block table lives, `Engine` leaves the work to
+a subclass per layout (`pytest_graphmode.hf.paged_tensors`, `pytest_graphmode.hf.sector_cache`);
+where they differ in the calls around a step (the options they take, where sizes are padded),
+`pytest_graphmode.hf.versions.has` says which release has what.
 
 The engine is transformers' own: its padding, its graph keys, its warm-up and its capture. This
 module replaces only the scheduler (the caller chooses each batch and its blocks) and adds one
@@ -30,6 +32,7 @@ from pytest_graphmode.hf.versions import (
     Layout,
     UnsupportedTransformers,
     check_version,
+    has,
     layout_of,
     split_trash,
 )
@@ -128,21 +131,26 @@ class Engine(ABC):
             config.max_requests, config.vocab_size, dtype=self.model.dtype, device=device
         )
         self._hook = self.model.register_forward_hook(self._keep_logits, with_kwargs=True)
+        # The options only some releases take.
+        optional: dict[str, Any] = {}
+        if has(self.version, "seed_option"):
+            optional["seed"] = seed
+        if has(self.version, "max_requests_per_batch"):
+            optional["max_requests_per_batch"] = config.max_requests
         # Greedy, no EOS, synchronous, no prefix sharing (it would tie blocks to token contents the
         # caller does not know), no decode fast path (it needs flash attention on a GPU): the
         # varlen path, whose graphs are keyed by padded query and KV sizes, serves every batch.
         cb_config = ContinuousBatchingConfig(
             num_blocks=config.num_blocks,
             max_batch_tokens=config.max_batch_tokens,
-            max_requests_per_batch=config.max_requests,
             max_blocks_per_request=0,
             use_cuda_graph=graphs,
             use_async_batching=False,
             allow_block_sharing=False,
             q_padding_interval_size=config.q_padding,
             kv_padding_interval_size=config.kv_padding,
-            seed=seed,
             **{self.block_size_option: config.block_size},
+            **optional,
             **attention_options,
         )
         generation = GenerationConfig(do_sample=False, eos_token_id=-1)
@@ -150,13 +158,27 @@ class Engine(ABC):
             generation_config=generation, continuous_batching_config=cb_config
         )
         # Its warm-up captures the largest graph first, so later captures fit in its pool.
-        self._manager.warmup()
+        if has(self.version, "self_sized_warmup"):
+            self._manager.warmup()
+        elif has(self.version, "warmup"):
+            # The sizes later releases choose: their defaults here ask for more pages than the
+            # cache has, and the warm-up would capture nothing.
+            queries = config.max_batch_tokens
+            self._manager.warmup(queries, config.max_position - queries)
+        else:
+            # 5.4 has no warm-up: each graph is captured by the first batch of its sizes.
+            self._manager.batch_processor = self._manager._create_batch_processor()
         self._processor: Any = self._manager.batch_processor
         self._cache: Any = self._processor.cache
         self._io: Any = self._processor.inputs_and_outputs
-        self._runner: Any = self._processor.model_runner
+        # What pads a batch's sizes, and captures or replays its graph.
+        self._runner: Any = (
+            self._processor.model_runner if has(self.version, "model_runner") else self._processor
+        )
         self._check_layout()
-        self.graphs = bool(self._processor.cb_config.use_cuda_graph[0])
+        # One flag for both paths up to 5.5, a (varlen, decode) pair from 5.6.
+        flag = self._processor.cb_config.use_cuda_graph
+        self.graphs = bool(flag[0] if has(self.version, "graph_flag_per_path") else flag)
 
     def _attention(self, cb_fields: set[str]) -> tuple[str, dict[str, Any]]:
         """The attention implementation to set on the model, and the ContinuousBatchingConfig
@@ -204,12 +226,14 @@ class Engine(ABC):
         step's writes go into them."""
 
     def _keep_logits(self, _module: Any, _args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        # From 5.13 the model keeps only the rows at `logits_indices` (its `logits_to_keep`);
-        # 5.11 and 5.12 have it return every token's and pick those rows after. Either way: [padded_requests,
-        # vocab], padded rows repeating a valid row; a replay repeats this copy.
+        # From 5.13 the model keeps only the rows at `logits_indices` (its `logits_to_keep`); up to
+        # 5.12 it returns every token's and the runner picks those rows after. Up to 5.10 the
+        # indices run to the padded query size, the requests' rows first: the first
+        # `max_requests` are kept. Either way: [rows, vocab], padded rows repeating a valid row; a
+        # replay repeats this copy.
         logits = output.logits[0]
         if "logits_to_keep" not in kwargs:
-            logits = logits.index_select(0, kwargs["logits_indices"])
+            logits = logits.index_select(0, kwargs["logits_indices"][: self._logits.shape[0]])
         self._logits[: logits.shape[0]].copy_(logits)
 
     def run(self, requests: Sequence[EngineRequest]) -> EngineStep:
@@ -232,28 +256,35 @@ class Engine(ABC):
             state.tokens_to_process = list(request.tokens)
             state.position_offset = request.context_len
             table[name] = list(request.block_ids)
-            futures.append(FutureRequestState(state, True, 0, len(request.tokens)))
+            # Up to 5.5 the query length is the state's `tokens_to_process`, not an argument.
+            query = (len(request.tokens),) if has(self.version, "future_query_length") else ()
+            futures.append(FutureRequestState(state, True, 0, *query))
         try:
-            return self._run(futures, len(requests))
+            return self._run(futures, requests)
         finally:
             for request in requests:
                 table.pop(f"graphmode-{request.request_id}", None)
 
     @torch.no_grad()
-    def _run(self, futures: list[Any], num_requests: int) -> EngineStep:
+    def _run(self, futures: list[Any], requests: Sequence[EngineRequest]) -> EngineStep:
         self._before_step()
-        num_q = sum(f.query_length for f in futures)
-        kv_read = sum(f.state.position_offset for f in futures)
-        padded_q, padded_kv = self._runner.maybe_pad_inputs(num_q, kv_read, False)
-        # From 5.13 the IO object pads the batch as it stages it; 5.11 and 5.12 pad when
-        # `_generation_step` hands it to the model, with the same runner flag.
+        num_requests = len(requests)
+        num_q = sum(len(request.tokens) for request in requests)
+        kv_read = sum(request.context_len for request in requests)
+        padded_q, padded_kv = self._pad(num_q, kv_read)
+        # From 5.13 the IO object pads the batch as it stages it; up to 5.12 it pads when
+        # `_generation_step` hands the batch to the model, with the same flag.
         padding = {"use_padding": self._runner.pad_inputs} if split_trash(self.version) else {}
-        self._io.prepare_batch_tensors(
-            futures, self._processor.logit_processor, False, padded_q, padded_kv, **padding
-        )
         graphs_before = len(self._io.graphs._storage)
-        self._processor._generation_step(self.model)
-        key = self._io._get_graph_key() if self.graphs else None
+        if has(self.version, "staged_logits_processor"):
+            self._io.prepare_batch_tensors(
+                futures, self._processor.logit_processor, False, padded_q, padded_kv, **padding
+            )
+            self._processor._generation_step(self.model)
+        else:
+            self._io.prepare_batch_tensors(futures, False, padded_q, padded_kv)
+            self._processor._generation_step(self.model, self._manager.logit_processor)
+        key = self._graph_key() if self.graphs else None
         step = EngineStep(
             logits=self._logits[:num_requests].float().clone(),
             tokens=self._io.output_ids[0, :num_requests].to(torch.int64),
@@ -266,6 +297,30 @@ class Engine(ABC):
         if self._logits.is_cuda:
             torch.cuda.current_stream(self._logits.device).synchronize()
         return step
+
+    def _graph_key(self) -> Hashable:
+        """The key transformers stores the step's graph under."""
+        if has(self.version, "graph_key"):
+            return self._io._get_graph_key()
+        # Up to 5.5 the graph store is keyed by the padded sizes alone.
+        return (self._io.num_q_tokens, self._io.max_kv_read)
+
+    def _pad(self, num_q: int, kv_read: int) -> tuple[int, int]:
+        """The query and KV-read sizes transformers pads a varlen batch of these sizes to."""
+        if has(self.version, "maybe_pad_inputs"):
+            padded: tuple[int, int] = self._runner.maybe_pad_inputs(num_q, kv_read, False)
+            return padded
+        # Before 5.8 the scheduling step (`prepare_next_batch`, which the caller replaces) pads
+        # inline, with these calls on these attributes of the batch processor.
+        from transformers.generation.continuous_batching.utils import pad_to_interval
+
+        processor = self._processor
+        if not processor._pad_inputs:
+            return num_q, kv_read
+        return (
+            pad_to_interval(num_q, processor.q_padding_interval_size, processor.max_batch_tokens),
+            pad_to_interval(kv_read, processor.kv_padding_interval_size, self._cache.num_pages),
+        )
 
     def load_weights(self, seed: int) -> None:
         """Replace every weight in place by those of `seed`, so captured graphs read the new ones."""

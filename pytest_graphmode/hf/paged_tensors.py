@@ -1,8 +1,8 @@
-"""transformers 5.11 to 5.17: the paged cache as one key and one value tensor per layer.
+"""transformers 5.4 to 5.17: the paged cache as one key and one value tensor per layer.
 
 Each tensor has `(num_blocks + 2) * block_size` rows, slot-major already: the allocatable blocks,
 then two trash blocks. From 5.13 the first is the read trash (zeroed, what padding tokens read) and
-the second the write trash (where padding tokens write, never read). 5.11 and 5.12 leave the first
+the second the write trash (where padding tokens write, never read). 5.4 to 5.12 leave the first
 unused: their padding tokens read and write one slot of the second, their `trash_index`. A
 request's block ids go into the block table of the one layer group's `FullAttentionCacheAllocator`, kept in the cache's `group_cache_managers`.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 from torch import Tensor
 
 from pytest_graphmode.hf.engine import Engine
-from pytest_graphmode.hf.versions import UnsupportedTransformers, split_trash
+from pytest_graphmode.hf.versions import UnsupportedTransformers, has, split_trash
 
 
 class PagedTensorsEngine(Engine):
-    """`Engine` over the per-layer key and value tensors of transformers 5.11 to 5.17."""
+    """`Engine` over the per-layer key and value tensors of transformers 5.4 to 5.17."""
 
     layout = "paged_tensors"
     block_size_option = "block_size"
@@ -55,17 +55,20 @@ class PagedTensorsEngine(Engine):
 
     @property
     def read_trash_block(self) -> int:
-        index = (
-            self._cache.read_trash_index if split_trash(self.version) else self._cache.trash_index
-        )
+        index = self._cache.read_trash_index if split_trash(self.version) else self._trash_index()
         return int(index) // self.config.block_size
 
     @property
     def write_trash_block(self) -> int:
-        index = (
-            self._cache.write_trash_index if split_trash(self.version) else self._cache.trash_index
-        )
+        index = self._cache.write_trash_index if split_trash(self.version) else self._trash_index()
         return int(index) // self.config.block_size
+
+    def _trash_index(self) -> int:
+        """The one slot padding reads and writes up to 5.12."""
+        if has(self.version, "trash_index"):
+            return int(self._cache.trash_index)
+        # Up to 5.5 padding indices are -2, which indexing resolves to the last row but one.
+        return int(self._cache.key_cache[0].shape[0]) - 2
 
     def kv_tensors(self) -> list[Tensor]:
         """transformers' own tensors: [(num_blocks + 2) * block_size, kv_heads, head_dim] each."""

@@ -3,18 +3,27 @@
 transformers' continuous-batching surface is private and moves between releases. Two layouts of
 its paged KV cache are supported, each by a module of its own:
 
-- `"paged_tensors"` (5.11 to 5.17, `pytest_graphmode.hf.paged_tensors`): one key and one value
+- `"paged_tensors"` (5.4 to 5.17, `pytest_graphmode.hf.paged_tensors`): one key and one value
   tensor per layer, slot-major, with the two trash blocks after the allocatable ones;
 - `"sector_cache"` (5.18 to 5.24, `pytest_graphmode.hf.sector_cache`): one flat byte tensor split
   into sectors by per-attention-type allocators, each block holding a page of every layer, with
   the two trash sectors first.
 
-Within a layout, `split_trash()` says whether a release pads with a zeroed read-trash block apart
-from its write-trash block and asks its IO object for padding in `prepare_batch_tensors` (5.13 on),
-or pads reads and writes into one slot and pads when it hands the batch to the model (5.11 and
-5.12).
+Within a layout, what moved between releases is named in `SINCE`, each entry with the first release
+that has it, and asked with `has()`: how the batch processor is built and warmed up, which options
+`ContinuousBatchingConfig` takes, what a step is handed, where a batch's sizes are padded, how graphs
+are keyed, whether the logits are cut to the batch's requests, and whether padding reads a zeroed
+block apart from the one it writes.
 
-`check_version()` admits exactly these releases and says what to install otherwise.
+Every 5.x release since 5.0 captures CUDA graphs of its varlen path keyed by its padded query and
+KV sizes. 5.0 to 5.3 are refused all the same (docs/targets-hf.md, "Versions"): they build their
+paged cache, scheduler and batch processor only inside the background generation loop (there is no
+`_create_batch_processor` and no warm-up), so an engine that replaces the scheduler would have to
+rebuild that construction itself rather than call transformers'; they also have no
+`ContinuousBatchingConfig` (the cache sizes are `GenerationConfig` attributes, the graph options
+`init_continuous_batching` arguments), and their generation step pads the batch itself.
+
+`check_version()` admits exactly the supported releases and says what to install otherwise.
 """
 
 from __future__ import annotations
@@ -25,19 +34,73 @@ from typing import Literal
 
 Layout = Literal["paged_tensors", "sector_cache"]
 
-# (first release, first release beyond) of each layout. 5.11 is the first release whose model
-# runner caps a batch's requests (`max_requests_per_batch`) and picks the logits of its requests
-# only; 5.18 replaces the per-group block tables and the trailing trash blocks with
-# sector allocators and a flat byte cache; 5.24 is the newest release the sector layout was read
-# and run against (docs/targets-hf.md, "Versions").
+# (first release, first release beyond) of each layout. 5.4 is the first release that builds its
+# batch processor apart from the generation loop (`_create_batch_processor`), from a
+# `ContinuousBatchingConfig`, with an IO object that stages a batch at sizes it is given; 5.18
+# replaces the per-group block tables and the trailing trash blocks with sector allocators and a
+# flat byte cache; 5.24 is the newest release the sector layout was read and run against
+# (docs/targets-hf.md, "Versions").
 LAYOUTS: dict[Layout, tuple[tuple[int, int], tuple[int, int]]] = {
-    "paged_tensors": ((5, 11), (5, 18)),
+    "paged_tensors": ((5, 4), (5, 18)),
     "sector_cache": ((5, 18), (5, 25)),
 }
-SUPPORTED = "transformers>=5.11,<5.25"
-# The first release with a zeroed read-trash block apart from the write-trash one, and with
-# `prepare_batch_tensors(..., use_padding)`.
-SPLIT_TRASH = (5, 13)
+SUPPORTED = "transformers>=5.4,<5.25"
+Feature = Literal[
+    "warmup",
+    "staged_logits_processor",
+    "graph_key",
+    "graph_flag_per_path",
+    "trash_index",
+    "future_query_length",
+    "self_sized_warmup",
+    "maybe_pad_inputs",
+    "model_runner",
+    "seed_option",
+    "max_requests_per_batch",
+    "split_trash",
+]
+# The first release with each piece of surface the engine adapts to, oldest first.
+SINCE: dict[Feature, tuple[int, int]] = {
+    # `ContinuousBatchingManager.warmup()` builds the batch processor and captures the largest
+    # varlen graph; before, the processor is built by `_create_batch_processor()` and nothing is
+    # captured ahead of the first batch.
+    "warmup": (5, 5),
+    # The IO object takes the logits processor when it stages a batch
+    # (`prepare_batch_tensors(requests, logits_processor, ...)`) and `_generation_step(model)`
+    # does not; before, the manager's processor is an argument of every `_generation_step`.
+    "staged_logits_processor": (5, 6),
+    # `inputs_and_outputs._get_graph_key()`; before, the graph store is keyed by
+    # `(num_q_tokens, max_kv_read)`.
+    "graph_key": (5, 6),
+    # `ContinuousBatchingConfig.use_cuda_graph` resolves to a (varlen, decode) pair; before, to one
+    # flag for both paths.
+    "graph_flag_per_path": (5, 6),
+    # `PagedAttentionCache.trash_index`, the slot padding reads and writes (the last row but one);
+    # before, padding indices are -2, which indexing resolves to the same row.
+    "trash_index": (5, 6),
+    # `FutureRequestState(state, has_new_token, complete_blocks, query_length)`; before, the query
+    # length is that of the state's `tokens_to_process`.
+    "future_query_length": (5, 6),
+    # `warmup()` sizes its varlen capture to the cache (`max_batch_tokens` queries after the rest
+    # of the cache's pages); before, it takes the sizes as arguments, and its defaults
+    # (`block_size` cached tokens per query token) can ask for more pages than a small cache has.
+    "self_sized_warmup": (5, 7),
+    # `maybe_pad_inputs(num_q, kv_read, decode_fast_path)` pads a batch's sizes; before, the
+    # scheduling step pads them inline with the same two `pad_to_interval` calls.
+    "maybe_pad_inputs": (5, 8),
+    # A `ModelRunner` (`batch_processor.model_runner`) pads, captures and replays; before, the batch
+    # processor does it itself.
+    "model_runner": (5, 9),
+    # `ContinuousBatchingConfig.seed`, which seeds the global generator when the processor is built.
+    "seed_option": (5, 9),
+    # `ContinuousBatchingConfig.max_requests_per_batch`: the model runner caps a batch's requests
+    # and picks the logits of its requests only, sized by that cap; before, every token's logits
+    # are sampled, and the per-request staging tensors are sized by `max_batch_tokens`.
+    "max_requests_per_batch": (5, 11),
+    # A zeroed read-trash block apart from the write-trash one, and
+    # `prepare_batch_tensors(..., use_padding)`.
+    "split_trash": (5, 13),
+}
 
 
 class UnsupportedTransformers(RuntimeError):
@@ -65,11 +128,16 @@ def installed_layout() -> Layout:
     return layout_of(_installed())
 
 
+def has(version: str, feature: Feature) -> bool:
+    """Whether transformers `version` has `feature` (`SINCE` says what each one is)."""
+    return _release(version) >= SINCE[feature]
+
+
 def split_trash(version: str) -> bool:
     """Whether transformers `version` pads reads from a zeroed block of their own and takes
     `use_padding` in `prepare_batch_tensors` (5.13 on), rather than reading and writing padding in
-    one slot of its write-trash block (5.11 and 5.12)."""
-    return _release(version) >= SPLIT_TRASH
+    one slot of its write-trash block (up to 5.12)."""
+    return has(version, "split_trash")
 
 
 def layout_of(version: str) -> Layout:

@@ -13,6 +13,7 @@ from pytest_graphmode.hf.engine import EngineConfig, llama
 from pytest_graphmode.hf.target import HFTarget, make_target
 from pytest_graphmode.hf.versions import (
     check_version,
+    has,
     installed_layout,
     split_trash,
     support_problem,
@@ -74,7 +75,7 @@ def test_a_decode_writes_one_slot_in_the_second_block(target: HFTarget) -> None:
 def test_state_is_the_engines_cache_with_its_trash_blocks(target: HFTarget) -> None:
     spec, config = target.spec, EngineConfig()
     assert spec.num_blocks == config.num_blocks + 2
-    # Up to 5.17 the read and write trash blocks follow the allocatable ones (5.11 and 5.12 read
+    # Up to 5.17 the read and write trash blocks follow the allocatable ones (up to 5.12 they read
     # and write their padding in the second); from 5.18 they are the cache's first two sectors, one
     # block each at these sizes.
     trash = {"paged_tensors": (32, 33), "sector_cache": (0, 1)}[installed_layout()]
@@ -121,7 +122,7 @@ def test_padding_writes_only_the_nan_null_block_and_valid_results_stay_finite() 
     graph.close()
     assert result.logits.isfinite().all()
     for name, tensor in state.items():
-        # Every padding token writes one slot of the sink, its first (5.11 and 5.12: its last but
+        # Every padding token writes one slot of the sink, its first (up to 5.12: its last but
         # one, before the sentinel); the rest keeps the poison.
         written = null + (0 if split_trash(check_version()) else graph.spec.block_size - 2)
         poisoned = [s for s in range(null, null + graph.spec.block_size) if s != written]
@@ -131,7 +132,7 @@ def test_padding_writes_only_the_nan_null_block_and_valid_results_stay_finite() 
 
 def test_padded_kv_reads_see_the_null_block_only_where_transformers_reads_its_write_trash() -> None:
     # 16 query tokens need no query padding, so no padding token writes the write trash before
-    # the padded KV reads: 5.11 and 5.12 read those from the write trash (the null block, NaN
+    # the padded KV reads: up to 5.12 they read those from the write trash (the null block, NaN
     # here) and the mask does not stop a NaN, which is what a campaign on them reports; from 5.13
     # they read the zeroed read-trash block.
     graph = make_target("graph", seed=3, backend="sim")
@@ -171,6 +172,20 @@ def test_the_sim_graph_twin_captures_then_replays_transformers_graph() -> None:
     assert replayed.path == "full" and replayed.graph_key is not None
     assert torch.equal(replayed.next_tokens, expected.next_tokens)
     torch.testing.assert_close(replayed.logits, expected.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_the_warm_up_captures_the_largest_graph_before_the_first_step() -> None:
+    graph = make_target("graph", seed=0, backend="sim")
+    keys = list(graph.engine._io.graphs._storage)
+    graph.close()
+    # 5.4 has no warm-up: its first graph is captured by the first batch of its sizes.
+    if not has(check_version(), "warmup"):
+        assert keys == []
+        return
+    # Its varlen graph at the most query tokens, after a cache full but for them.
+    config = EngineConfig()
+    queries = config.max_batch_tokens
+    assert [key[:2] for key in keys] == [(queries, config.max_position - queries)]
 
 
 def test_making_a_target_leaves_the_global_generator_alone() -> None:

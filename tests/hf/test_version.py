@@ -13,7 +13,7 @@ from pytest_graphmode.hf.sector_cache import SectorCacheEngine
 from pytest_graphmode.hf.target import ENGINES
 
 
-@pytest.mark.parametrize("version", ["5.10.4", "5.25.0", "6.0.0", "4.57.6"])
+@pytest.mark.parametrize("version", ["5.3.0", "5.0.0", "5.25.0", "6.0.0", "4.57.6"])
 def test_an_unsupported_release_is_refused_with_the_range_to_install(
     monkeypatch: pytest.MonkeyPatch, version: str
 ) -> None:
@@ -21,13 +21,21 @@ def test_an_unsupported_release_is_refused_with_the_range_to_install(
     with pytest.raises(versions.UnsupportedTransformers) as raised:
         versions.check_version()
     assert f"transformers {version} is installed" in str(raised.value)
-    assert "pip install 'transformers>=5.11,<5.25'" in str(raised.value)
+    assert "pip install 'transformers>=5.4,<5.25'" in str(raised.value)
     assert versions.support_problem() == str(raised.value)
 
 
 @pytest.mark.parametrize(
     ("version", "layout"),
     [
+        ("5.4.0", "paged_tensors"),
+        ("5.5.4", "paged_tensors"),
+        ("5.6.0", "paged_tensors"),
+        ("5.6.2", "paged_tensors"),
+        ("5.7.0", "paged_tensors"),
+        ("5.8.1", "paged_tensors"),
+        ("5.9.0", "paged_tensors"),
+        ("5.10.4", "paged_tensors"),
         ("5.11.0", "paged_tensors"),
         ("5.12.1", "paged_tensors"),
         ("5.13.0", "paged_tensors"),
@@ -77,7 +85,38 @@ def test_an_engine_refuses_a_release_of_the_other_layout(
 
 @pytest.mark.parametrize(
     ("version", "split"),
-    [("5.11.0", False), ("5.12.1", False), ("5.13.0", True), ("5.17.0", True), ("5.24.0", True)],
+    [
+        ("5.6.0", False),
+        ("5.11.0", False),
+        ("5.12.1", False),
+        ("5.13.0", True),
+        ("5.17.0", True),
+        ("5.24.0", True),
+    ],
 )
 def test_the_trash_blocks_split_from_5_13(version: str, split: bool) -> None:
     assert versions.split_trash(version) is split
+
+
+NEWER = {"maybe_pad_inputs", "model_runner", "seed_option", "max_requests_per_batch", "split_trash"}
+
+
+@pytest.mark.parametrize(
+    ("version", "lacks"),
+    [
+        ("5.4.0", set(versions.SINCE)),
+        ("5.5.4", set(versions.SINCE) - {"warmup"}),
+        ("5.6.0", {"self_sized_warmup"} | NEWER),
+        ("5.7.0", NEWER),
+        ("5.8.1", NEWER - {"maybe_pad_inputs"}),
+        ("5.9.0", {"max_requests_per_batch", "split_trash"}),
+        ("5.10.4", {"max_requests_per_batch", "split_trash"}),
+        ("5.11.0", {"split_trash"}),
+        ("5.13.0", set()),
+        ("5.24.0", set()),
+    ],
+)
+def test_each_release_lacks_exactly_the_surface_it_was_read_without(
+    version: str, lacks: set[str]
+) -> None:
+    assert {feature for feature in versions.SINCE if not versions.has(version, feature)} == lacks
