@@ -1,8 +1,8 @@
 """transformers' continuous-batching runner, driven one batch at a time.
 
-This module drives what every supported release shares: the manager (`init_continuous_batching`),
-its batch processor, the IO object that pads and stages a batch (`prepare_batch_tensors`), the
-part that pads a batch's sizes and captures or replays its graph (the model runner from 5.9, the
+This module drives what every supported release from 5.4 shares: the manager
+(`init_continuous_batching`), its batch processor, the IO object that pads and stages a batch
+(`prepare_batch_tensors`), the part that pads a batch's sizes and captures or replays its graph (the model runner from 5.9, the
 batch processor before) and the graph store keyed by padded sizes. Where the releases differ in how
 the paged KV cache is laid out and where a request's block table lives, `Engine` leaves the work to
 a subclass per layout (`pytest_graphmode.hf.paged_tensors`, `pytest_graphmode.hf.sector_cache`);
