@@ -1,13 +1,17 @@
 """transformers' continuous-batching runner, driven one batch at a time.
 
-This module drives what every supported release shares: the manager (`init_continuous_batching`),
-its batch processor, the IO object that pads and stages a batch (`prepare_batch_tensors`), the
-part that pads a batch's sizes and captures or replays its graph (the model runner from 5.9, the
+This module drives what every supported release from 5.4 shares: the manager
+(`init_continuous_batching`), its batch processor, the IO object that pads and stages a batch
+(`prepare_batch_tensors`), the part that pads a batch's sizes and captures or replays its graph (the model runner from 5.9, the
 batch processor before) and the graph store keyed by padded sizes. Where the releases differ in how
 the paged KV cache is laid out and where a request's block table lives, `Engine` leaves the work to
 a subclass per layout (`pytest_graphmode.hf.paged_tensors`, `pytest_graphmode.hf.sector_cache`);
 where they differ in the calls around a step (the options they take, where sizes are padded),
-`pytest_graphmode.hf.versions.has` says which release has what.
+`pytest_graphmode.hf.versions.has` says which release has what. 5.0 to 5.3, which build their batch
+processor only inside the generation loop, are driven by `pytest_graphmode.hf.continuous_api`
+through the methods that build the engine (`_build`), make a request's scheduled state
+(`_future`), stage and run a batch (`_step`), and read its tokens and graphs (`_tokens`,
+`_graph_store`, `_graph_key`).
 
 The engine is transformers' own: its padding, its graph keys, its warm-up and its capture. This
 module replaces only the scheduler (the caller chooses each batch and its blocks) and adds one
@@ -20,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,16 +125,10 @@ class Engine(ABC):
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        self.model = llama(config, seed).to(device).eval()
         attention, attention_options = self._attention(
             {field.name for field in dataclasses.fields(ContinuousBatchingConfig)}
         )
-        self.model.set_attn_implementation(attention)
-        # Hooked before the warm-up, so the graphs it captures copy the logits out too.
-        self._logits = torch.zeros(
-            config.max_requests, config.vocab_size, dtype=self.model.dtype, device=device
-        )
-        self._hook = self.model.register_forward_hook(self._keep_logits, with_kwargs=True)
+        self._build_model(config, seed=seed, device=device, attention=attention)
         # The options only some releases take.
         optional: dict[str, Any] = {}
         if has(self.version, "seed_option"):
@@ -179,6 +177,18 @@ class Engine(ABC):
         # One flag for both paths up to 5.5, a (varlen, decode) pair from 5.6.
         flag = self._processor.cb_config.use_cuda_graph
         self.graphs = bool(flag[0] if has(self.version, "graph_flag_per_path") else flag)
+
+    def _build_model(
+        self, config: EngineConfig, *, seed: int, device: torch.device, attention: str
+    ) -> None:
+        """The model of `seed` on `device` with `attention`, hooked to copy its logits out."""
+        self.model = llama(config, seed).to(device).eval()
+        self.model.set_attn_implementation(attention)
+        # Hooked before the warm-up, so the graphs it captures copy the logits out too.
+        self._logits = torch.zeros(
+            config.max_requests, config.vocab_size, dtype=self.model.dtype, device=device
+        )
+        self._hook = self.model.register_forward_hook(self._keep_logits, with_kwargs=True)
 
     def _attention(self, cb_fields: set[str]) -> tuple[str, dict[str, Any]]:
         """The attention implementation to set on the model, and the ContinuousBatchingConfig
@@ -229,17 +239,18 @@ class Engine(ABC):
         # From 5.13 the model keeps only the rows at `logits_indices` (its `logits_to_keep`); up to
         # 5.12 it returns every token's and the runner picks those rows after. Up to 5.10 the
         # indices run to the padded query size, the requests' rows first: the first
-        # `max_requests` are kept. Either way: [rows, vocab], padded rows repeating a valid row; a
-        # replay repeats this copy.
+        # `max_requests` are kept. Either way: [rows, vocab], the requests' rows first, then
+        # padding rows nobody reads; a replay repeats this copy. Up to 5.2 padding indices are -1,
+        # which indexing takes from the end (`index_select` would refuse them); from 5.3 they are
+        # 0, and both pick the same rows.
         logits = output.logits[0]
         if "logits_to_keep" not in kwargs:
-            logits = logits.index_select(0, kwargs["logits_indices"][: self._logits.shape[0]])
+            logits = logits[kwargs["logits_indices"][: self._logits.shape[0]]]
         self._logits[: logits.shape[0]].copy_(logits)
 
     def run(self, requests: Sequence[EngineRequest]) -> EngineStep:
         """Stage `requests` with transformers' own padding, run its model runner, read the results."""
         from transformers.generation.continuous_batching.requests import (
-            FutureRequestState,
             RequestState,
             RequestStatus,
         )
@@ -256,26 +267,51 @@ class Engine(ABC):
             state.tokens_to_process = list(request.tokens)
             state.position_offset = request.context_len
             table[name] = list(request.block_ids)
-            # Up to 5.5 the query length is the state's `tokens_to_process`, not an argument.
-            query = (len(request.tokens),) if has(self.version, "future_query_length") else ()
-            futures.append(FutureRequestState(state, True, 0, *query))
+            futures.append(self._future(state))
         try:
             return self._run(futures, requests)
         finally:
             for request in requests:
                 table.pop(f"graphmode-{request.request_id}", None)
 
+    def _future(self, state: Any) -> Any:
+        """What transformers' scheduler hands out for `state`: a `FutureRequestState` that wants
+        its next token and shares no complete block."""
+        from transformers.generation.continuous_batching.requests import FutureRequestState
+
+        # Up to 5.5 the query length is the state's `tokens_to_process`, not an argument.
+        query = (len(state.tokens_to_process),) if has(self.version, "future_query_length") else ()
+        return FutureRequestState(state, True, 0, *query)
+
     @torch.no_grad()
     def _run(self, futures: list[Any], requests: Sequence[EngineRequest]) -> EngineStep:
         self._before_step()
         num_requests = len(requests)
+        graphs_before = len(self._graph_store())
+        self._step(futures, requests)
+        key = self._graph_key() if self.graphs else None
+        step = EngineStep(
+            logits=self._logits[:num_requests].float().clone(),
+            tokens=self._tokens(num_requests),
+            graph_key=key,
+            captured=len(self._graph_store()) > graphs_before,
+        )
+        self._after_step()
+        # transformers' compute stream does not wait for the caller's: the copies above must have
+        # read the static outputs before the next step's forward rewrites them.
+        if self._logits.is_cuda:
+            torch.cuda.current_stream(self._logits.device).synchronize()
+        return step
+
+    def _step(self, futures: list[Any], requests: Sequence[EngineRequest]) -> None:
+        """Pad the batch's sizes and stage it as transformers' loop does, then run its generation
+        step: capture the graph of its padded sizes, replay it, or run eagerly."""
         num_q = sum(len(request.tokens) for request in requests)
         kv_read = sum(request.context_len for request in requests)
         padded_q, padded_kv = self._pad(num_q, kv_read)
         # From 5.13 the IO object pads the batch as it stages it; up to 5.12 it pads when
         # `_generation_step` hands the batch to the model, with the same flag.
         padding = {"use_padding": self._runner.pad_inputs} if split_trash(self.version) else {}
-        graphs_before = len(self._io.graphs._storage)
         if has(self.version, "staged_logits_processor"):
             self._io.prepare_batch_tensors(
                 futures, self._processor.logit_processor, False, padded_q, padded_kv, **padding
@@ -284,19 +320,16 @@ class Engine(ABC):
         else:
             self._io.prepare_batch_tensors(futures, False, padded_q, padded_kv)
             self._processor._generation_step(self.model, self._manager.logit_processor)
-        key = self._graph_key() if self.graphs else None
-        step = EngineStep(
-            logits=self._logits[:num_requests].float().clone(),
-            tokens=self._io.output_ids[0, :num_requests].to(torch.int64),
-            graph_key=key,
-            captured=len(self._io.graphs._storage) > graphs_before,
-        )
-        self._after_step()
-        # transformers' compute stream does not wait for the caller's: the copies above must have
-        # read the static outputs before the next step's forward rewrites them.
-        if self._logits.is_cuda:
-            torch.cuda.current_stream(self._logits.device).synchronize()
-        return step
+
+    def _tokens(self, num_requests: int) -> Tensor:
+        """The requests' greedy tokens, from transformers' static output (its first row; a second
+        holds log probabilities where they are asked for)."""
+        return self._io.output_ids[0, :num_requests].to(torch.int64)
+
+    def _graph_store(self) -> Mapping[Hashable, Any]:
+        """transformers' captured graphs, by key."""
+        store: Mapping[Hashable, Any] = self._io.graphs._storage
+        return store
 
     def _graph_key(self) -> Hashable:
         """The key transformers stores the step's graph under."""

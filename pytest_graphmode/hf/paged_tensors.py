@@ -12,13 +12,13 @@ from __future__ import annotations
 from torch import Tensor
 
 from pytest_graphmode.hf.engine import Engine
-from pytest_graphmode.hf.versions import UnsupportedTransformers, has, split_trash
+from pytest_graphmode.hf.versions import Layout, UnsupportedTransformers, has, split_trash
 
 
 class PagedTensorsEngine(Engine):
     """`Engine` over the per-layer key and value tensors of transformers 5.4 to 5.17."""
 
-    layout = "paged_tensors"
+    layout: Layout = "paged_tensors"
     block_size_option = "block_size"
 
     def _check_layout(self) -> None:

@@ -16,6 +16,7 @@ from typing import Literal
 from torch import Tensor
 
 from pytest_graphmode.contract import AddressView, Batch, StepResult, TargetSpec
+from pytest_graphmode.hf.continuous_api import ContinuousApiEngine
 from pytest_graphmode.hf.engine import Engine, EngineConfig, EngineRequest
 from pytest_graphmode.hf.paged_tensors import PagedTensorsEngine
 from pytest_graphmode.hf.sector_cache import SectorCacheEngine
@@ -28,6 +29,7 @@ FEATURES = frozenset({"decode", "prefill", "spec_decode", "weight_update"})
 
 # The engine for each cache layout (`pytest_graphmode.hf.versions` says which release has which).
 ENGINES: dict[Layout, type[Engine]] = {
+    "continuous_api": ContinuousApiEngine,
     "paged_tensors": PagedTensorsEngine,
     "sector_cache": SectorCacheEngine,
 }

@@ -1,8 +1,15 @@
-"""Which transformers releases the adapter drives, and which cache layout each one has.
+"""Which transformers releases the adapter drives, and which layout each one has.
 
-transformers' continuous-batching surface is private and moves between releases. Two layouts of
-its paged KV cache are supported, each by a module of its own:
+transformers' continuous-batching surface is private and moves between releases. Three layouts are
+supported, two of the paged KV cache and one of how the batch processor is built, each driven by a
+module of its own:
 
+- `"continuous_api"` (5.0 to 5.3, `pytest_graphmode.hf.continuous_api`): the cache of
+  `"paged_tensors"`, but no `ContinuousBatchingConfig` and no `_create_batch_processor`: these
+  releases build their paged cache, scheduler and batch processor only inside the background
+  generation loop, so the engine runs that loop on the calling thread with its stop already
+  signalled to have them built, then stages each batch through the batch processor's own
+  `prepare_next_batch` with a one-batch scheduler in place of transformers';
 - `"paged_tensors"` (5.4 to 5.17, `pytest_graphmode.hf.paged_tensors`): one key and one value
   tensor per layer, slot-major, with the two trash blocks after the allocatable ones;
 - `"sector_cache"` (5.18 to 5.24, `pytest_graphmode.hf.sector_cache`): one flat byte tensor split
@@ -15,13 +22,8 @@ that has it, and asked with `has()`: how the batch processor is built and warmed
 are keyed, whether the logits are cut to the batch's requests, and whether padding reads a zeroed
 block apart from the one it writes.
 
-Every 5.x release since 5.0 captures CUDA graphs of its varlen path keyed by its padded query and
-KV sizes. 5.0 to 5.3 are refused all the same (docs/targets-hf.md, "Versions"): they build their
-paged cache, scheduler and batch processor only inside the background generation loop (there is no
-`_create_batch_processor` and no warm-up), so an engine that replaces the scheduler would have to
-rebuild that construction itself rather than call transformers'; they also have no
-`ContinuousBatchingConfig` (the cache sizes are `GenerationConfig` attributes, the graph options
-`init_continuous_batching` arguments), and their generation step pads the batch itself.
+Every 5.x release, from the first, 5.0, captures CUDA graphs of its varlen path keyed by its padded
+query and KV sizes, and every one up to 5.24 is driven (docs/targets-hf.md, "Versions").
 
 `check_version()` admits exactly the supported releases and says what to install otherwise.
 """
@@ -32,20 +34,24 @@ import importlib.metadata
 import re
 from typing import Literal
 
-Layout = Literal["paged_tensors", "sector_cache"]
+Layout = Literal["continuous_api", "paged_tensors", "sector_cache"]
 
-# (first release, first release beyond) of each layout. 5.4 is the first release that builds its
-# batch processor apart from the generation loop (`_create_batch_processor`), from a
-# `ContinuousBatchingConfig`, with an IO object that stages a batch at sizes it is given; 5.18
+# (first release, first release beyond) of each layout. 5.0 is the first 5.x release; 5.4 is the
+# first that builds its batch processor apart from the generation loop (`_create_batch_processor`),
+# from a `ContinuousBatchingConfig`, with an IO object that stages a batch at sizes it is given; 5.18
 # replaces the per-group block tables and the trailing trash blocks with sector allocators and a
 # flat byte cache; 5.24 is the newest release the sector layout was read and run against
 # (docs/targets-hf.md, "Versions").
 LAYOUTS: dict[Layout, tuple[tuple[int, int], tuple[int, int]]] = {
+    "continuous_api": ((5, 0), (5, 4)),
     "paged_tensors": ((5, 4), (5, 18)),
     "sector_cache": ((5, 18), (5, 25)),
 }
-SUPPORTED = "transformers>=5.4,<5.25"
+SUPPORTED = "transformers>=5.0,<5.25"
 Feature = Literal[
+    "io_object",
+    "graph_store",
+    "compute_stream",
     "warmup",
     "staged_logits_processor",
     "graph_key",
@@ -61,6 +67,19 @@ Feature = Literal[
 ]
 # The first release with each piece of surface the engine adapts to, oldest first.
 SINCE: dict[Feature, tuple[int, int]] = {
+    # `batch_processor.inputs_and_outputs`, an IO object holding the static tensors and one next
+    # token per request; before, the batch processor holds them, and the next token of every
+    # query token.
+    "io_object": (5, 1),
+    # The IO object keeps the graphs in an LRU store (`graphs._storage`), the padding options are
+    # interval sizes, and the scheduler hands out `FutureRequestState`s; before, the batch
+    # processor keeps them in a dict (None with graphs off) keyed by sizes padded by interval
+    # counts, and its scheduler hands out request states.
+    "graph_store": (5, 3),
+    # The forward (eager, capture or replay) runs on the IO object's compute stream, which does
+    # not wait for the current one; before, a capture runs on a fresh stream that waits for the
+    # current one, and a replay on the current one.
+    "compute_stream": (5, 3),
     # `ContinuousBatchingManager.warmup()` builds the batch processor and captures the largest
     # varlen graph; before, the processor is built by `_create_batch_processor()` and nothing is
     # captured ahead of the first batch.

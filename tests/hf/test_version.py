@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from pytest_graphmode.hf import versions
+from pytest_graphmode.hf.continuous_api import ContinuousApiEngine
 from pytest_graphmode.hf.engine import Engine, EngineConfig
 from pytest_graphmode.hf.paged_tensors import PagedTensorsEngine
 from pytest_graphmode.hf.sector_cache import SectorCacheEngine
 from pytest_graphmode.hf.target import ENGINES
 
 
-@pytest.mark.parametrize("version", ["5.3.0", "5.0.0", "5.25.0", "6.0.0", "4.57.6"])
+@pytest.mark.parametrize("version", ["5.25.0", "6.0.0", "4.57.6"])
 def test_an_unsupported_release_is_refused_with_the_range_to_install(
     monkeypatch: pytest.MonkeyPatch, version: str
 ) -> None:
@@ -21,13 +22,18 @@ def test_an_unsupported_release_is_refused_with_the_range_to_install(
     with pytest.raises(versions.UnsupportedTransformers) as raised:
         versions.check_version()
     assert f"transformers {version} is installed" in str(raised.value)
-    assert "pip install 'transformers>=5.4,<5.25'" in str(raised.value)
+    assert "pip install 'transformers>=5.0,<5.25'" in str(raised.value)
     assert versions.support_problem() == str(raised.value)
 
 
 @pytest.mark.parametrize(
     ("version", "layout"),
     [
+        ("5.0.0", "continuous_api"),
+        ("5.1.0", "continuous_api"),
+        ("5.2.0", "continuous_api"),
+        ("5.3.0", "continuous_api"),
+        ("5.3.9.dev0", "continuous_api"),
         ("5.4.0", "paged_tensors"),
         ("5.5.4", "paged_tensors"),
         ("5.6.0", "paged_tensors"),
@@ -71,7 +77,13 @@ def test_every_layout_has_the_engine_that_declares_it() -> None:
 
 
 @pytest.mark.parametrize(
-    ("version", "engine"), [("5.17.0", SectorCacheEngine), ("5.24.0", PagedTensorsEngine)]
+    ("version", "engine"),
+    [
+        ("5.17.0", SectorCacheEngine),
+        ("5.24.0", PagedTensorsEngine),
+        ("5.3.0", PagedTensorsEngine),
+        ("5.4.0", ContinuousApiEngine),
+    ],
 )
 def test_an_engine_refuses_a_release_of_the_other_layout(
     monkeypatch: pytest.MonkeyPatch, version: str, engine: type[Engine]
@@ -86,6 +98,8 @@ def test_an_engine_refuses_a_release_of_the_other_layout(
 @pytest.mark.parametrize(
     ("version", "split"),
     [
+        ("5.0.0", False),
+        ("5.3.0", False),
         ("5.6.0", False),
         ("5.11.0", False),
         ("5.12.1", False),
@@ -98,14 +112,19 @@ def test_the_trash_blocks_split_from_5_13(version: str, split: bool) -> None:
     assert versions.split_trash(version) is split
 
 
+OLDER = {"io_object", "graph_store", "compute_stream"}
 NEWER = {"maybe_pad_inputs", "model_runner", "seed_option", "max_requests_per_batch", "split_trash"}
 
 
 @pytest.mark.parametrize(
     ("version", "lacks"),
     [
-        ("5.4.0", set(versions.SINCE)),
-        ("5.5.4", set(versions.SINCE) - {"warmup"}),
+        ("5.0.0", set(versions.SINCE)),
+        ("5.1.0", set(versions.SINCE) - {"io_object"}),
+        ("5.2.0", set(versions.SINCE) - {"io_object"}),
+        ("5.3.0", set(versions.SINCE) - OLDER),
+        ("5.4.0", set(versions.SINCE) - OLDER),
+        ("5.5.4", set(versions.SINCE) - OLDER - {"warmup"}),
         ("5.6.0", {"self_sized_warmup"} | NEWER),
         ("5.7.0", NEWER),
         ("5.8.1", NEWER - {"maybe_pad_inputs"}),
