@@ -151,6 +151,7 @@ class ContinuousApiEngine(PagedTensorsEngine):
             if has(self.version, "io_object")
             else self._processor
         )
+        self._order_streams()  # no warm-up ran: the first forward is the first step's
         if has(self.version, "graph_store"):
             self.graphs = bool(self._processor.use_cuda_graph)
         else:

@@ -60,6 +60,10 @@ class EngineConfig:
         16  # query tokens are padded to a multiple of this (the graph key's first size)
     )
     kv_padding: int = 32  # cached tokens read are padded to a multiple of this (its second size)
+    # From 5.3 transformers stages a batch on the current stream and runs its forward on a compute
+    # stream that never waits for it (docs/targets-hf.md). True adds that one wait before each
+    # step, the ordering transformers leaves commented out: transformers as it would be fixed.
+    order_streams: bool = False
 
     @property
     def max_position(self) -> int:
@@ -155,7 +159,15 @@ class Engine(ABC):
         self._manager: Any = self.model.init_continuous_batching(
             generation_config=generation, continuous_batching_config=cb_config
         )
-        # Its warm-up captures the largest graph first, so later captures fit in its pool.
+        # The warm-up builds the batch processor only where there is none: built first, it is
+        # the same one, and the streams are ordered (`order_streams`) before the first forward.
+        self._manager.batch_processor = self._manager._create_batch_processor()
+        self._processor: Any = self._manager.batch_processor
+        self._cache: Any = self._processor.cache
+        self._io: Any = self._processor.inputs_and_outputs
+        self._order_streams()
+        # Its warm-up captures the largest graph first, so later captures fit in its pool. 5.4
+        # has none: each graph is captured by the first batch of its sizes.
         if has(self.version, "self_sized_warmup"):
             self._manager.warmup()
         elif has(self.version, "warmup"):
@@ -163,12 +175,6 @@ class Engine(ABC):
             # cache has, and the warm-up would capture nothing.
             queries = config.max_batch_tokens
             self._manager.warmup(queries, config.max_position - queries)
-        else:
-            # 5.4 has no warm-up: each graph is captured by the first batch of its sizes.
-            self._manager.batch_processor = self._manager._create_batch_processor()
-        self._processor: Any = self._manager.batch_processor
-        self._cache: Any = self._processor.cache
-        self._io: Any = self._processor.inputs_and_outputs
         # What pads a batch's sizes, and captures or replays its graph.
         self._runner: Any = (
             self._processor.model_runner if has(self.version, "model_runner") else self._processor
@@ -320,6 +326,22 @@ class Engine(ABC):
         else:
             self._io.prepare_batch_tensors(futures, False, padded_q, padded_kv)
             self._processor._generation_step(self.model, self._manager.logit_processor)
+
+    def _order_streams(self) -> None:
+        """With `order_streams`, transformers' compute stream (from 5.3) waits for the current
+        one each time the IO object has handed out a batch's inputs, in its warm-up and in every
+        step: what it staged is then ordered before the forward that reads it."""
+        compute_stream = getattr(self._io, "compute_stream", None)
+        if not self.config.order_streams or compute_stream is None:
+            return
+        model_kwargs = self._io.get_model_kwargs
+
+        def ordered_model_kwargs(*args: Any, **kwargs: Any) -> Any:
+            batch = model_kwargs(*args, **kwargs)
+            compute_stream.wait_stream(torch.cuda.current_stream())
+            return batch
+
+        self._io.get_model_kwargs = ordered_model_kwargs
 
     def _tokens(self, num_requests: int) -> Tensor:
         """The requests' greedy tokens, from transformers' static output (its first row; a second

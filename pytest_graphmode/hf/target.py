@@ -5,11 +5,13 @@ them off; made with the same seed, the twins hold the same random-weight Llama a
 The harness is the scheduler: its requests and block ids go to transformers as they are, and
 everything else (padding, graph keys, capture, replay, greedy sampling) is transformers' own.
 
-Load it with `--graphmode-target=pytest_graphmode.hf.target:make_target`.
+Load it with `--graphmode-target=pytest_graphmode.hf.target:make_target`
+(`make_ordered_target`: the same with transformers' stream race fixed).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -143,3 +145,17 @@ def make_target(
 ) -> HFTarget:
     """transformers' continuous batching on a tiny random-weight Llama (`EngineConfig()`)."""
     return HFTarget(mode, EngineConfig() if config is None else config, seed=seed, backend=backend)
+
+
+def make_ordered_target(
+    mode: Literal["graph", "eager"],
+    *,
+    seed: int,
+    backend: str = "auto",
+    config: EngineConfig | None = None,
+) -> HFTarget:
+    """`make_target` with transformers' compute stream waiting for the stream its inputs are
+    staged on (`EngineConfig.order_streams`): the release as it would be with its stream race
+    fixed, to check that the race is all the harness finds from 5.13 on."""
+    ordered = dataclasses.replace(EngineConfig() if config is None else config, order_streams=True)
+    return HFTarget(mode, ordered, seed=seed, backend=backend)

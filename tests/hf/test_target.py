@@ -8,9 +8,10 @@ import torch
 
 from pytest_graphmode.contract import Batch, Request, kv_slot
 from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
+from pytest_graphmode.fuzz.checks import REPLAY_MATCHES_EAGER
 from pytest_graphmode.fuzz.race_check import NO_STREAM_RACES
 from pytest_graphmode.hf.engine import EngineConfig, llama
-from pytest_graphmode.hf.target import HFTarget, make_target
+from pytest_graphmode.hf.target import HFTarget, make_ordered_target, make_target
 from pytest_graphmode.hf.versions import (
     check_version,
     has,
@@ -222,3 +223,21 @@ def test_a_sim_campaign_finds_transformers_inputs_written_on_another_stream() ->
     assert failure.check == NO_STREAM_RACES, failure.message
     assert "continuous_batching/input_outputs.py" in failure.message
     assert "is not ordered before" in failure.message
+
+
+def test_with_its_streams_ordered_the_sim_campaign_finds_no_race() -> None:
+    # The compute stream made to wait for the staging stream: from 5.13, which zeroes its read
+    # trash, the campaign passes with transformers' own graphs replaying; up to 5.12 the one
+    # thing it may still find is the write-trash NaN (the test above), never a race.
+    try:
+        stats = run_campaign(
+            make_ordered_target, backend="sim", max_examples=12, max_steps=6, seed=0
+        )
+    except GraphmodeFailure as caught:
+        failure = caught.failure
+        assert not split_trash(check_version()), failure.message
+        assert failure.check == REPLAY_MATCHES_EAGER, failure.message
+        assert "nan" in failure.message.lower(), failure.message
+        return
+    assert stats.failures == []
+    assert stats.paths["full"] > 0, stats.paths
