@@ -55,18 +55,25 @@ def torch_cpu_threads(count: int | None) -> Iterator[None]:
 @contextmanager
 def long_lived_objects_frozen() -> Iterator[None]:
     """Keep the objects that exist before the campaign (torch, Hypothesis, the runner's modules)
-    out of the cycle collector's way while it runs, unfrozen afterwards.
+    out of the cycle collector's way while it runs.
 
     A full collection walks every tracked object. Closing a graph memory pool on cuda needs one
     (graphs caught in reference cycles hold their memory until collected), once per twin closed,
     and with torch's heap that walk took about 0.15 s on the H200 host; frozen, it walks only
-    what the campaign made. A heap someone else froze is left as they arranged it.
+    what the campaign made.
+
+    The heap is frozen also where something froze a part of it before (the H200 hosts' Python
+    starts with a few hundred objects frozen): skipping the freeze there left every collection
+    walking all of torch. Afterwards it is unfrozen only if nothing was frozen before; otherwise
+    what was frozen stays frozen, as its owner arranged, and so does what the campaign froze with
+    it, collected first so that no garbage (a twin's graphs, their device memory) is kept for good.
     """
-    if gc.get_freeze_count():
-        yield
-        return
+    frozen_before = gc.get_freeze_count()
+    if frozen_before:
+        gc.collect()
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not frozen_before:
+            gc.unfreeze()
