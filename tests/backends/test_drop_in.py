@@ -21,6 +21,10 @@ def _torch_cuda() -> dict[str, object]:
     return dict(vars(torch.cuda))
 
 
+# The modules of torch.cuda whose names the drop-in rebinds too.
+_SUBMODULES = (torch.cuda.graphs, torch.cuda.streams, torch.cuda.nvtx)
+
+
 def test_torch_cuda_names_resolve_to_the_sim_inside() -> None:
     with drop_in() as backend:
         assert is_active()
@@ -96,11 +100,15 @@ def test_a_capture_through_torch_cuda_graph_replays_on_the_sim() -> None:
 def test_torch_cuda_is_restored_exactly_after_a_sim_campaign() -> None:
     before, generator = _torch_cuda(), torch.Generator
     accelerator, device_module = dict(vars(torch.accelerator)), torch.get_device_module
+    submodules = {m: dict(vars(m)) for m in _SUBMODULES}
     stats = run_campaign(make_target, backend="sim", max_examples=2, max_steps=4, seed=1)
     assert stats.failures == []
     after = _torch_cuda()
     assert after.keys() == before.keys()
     assert all(after[name] is before[name] for name in before)
+    for module, names in submodules.items():
+        assert vars(module).keys() == names.keys()
+        assert all(vars(module)[name] is names[name] for name in names), module
     assert torch.Generator is generator
     assert vars(torch.accelerator) == accelerator
     assert all(vars(torch.accelerator)[name] is accelerator[name] for name in accelerator)
@@ -154,3 +162,95 @@ def test_a_module_moved_to_cuda_runs_on_the_sim_device() -> None:
         assert out.is_cuda
         layer.cpu()
         assert not layer.weight.is_cuda and type(layer.weight) is torch.nn.Parameter
+
+
+def test_set_stream_and_what_a_stream_tells_of_itself() -> None:
+    with drop_in() as backend:
+        side = torch.cuda.Stream()
+        assert isinstance(torch.cuda.streams.Stream(), SimStream)
+        torch.cuda.set_stream(side)
+        assert torch.cuda.current_stream() is side is backend.current_stream()
+        torch.cuda.set_stream(torch.cuda.default_stream())
+        assert torch.cuda.current_stream() is backend.default_stream()
+        assert torch.cuda.default_stream().cuda_stream == 0
+        assert side.cuda_stream not in (0, torch.cuda.Stream().cuda_stream)
+        assert side.device == torch.device("cuda", 0) and side.device_index == 0
+
+
+def test_record_stream_of_a_device_tensor_is_accepted() -> None:
+    with drop_in():
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            made = torch.ones(4, device="cuda") * 2
+        torch.cuda.current_stream().wait_stream(side)
+        made.record_stream(torch.cuda.current_stream())
+        assert made.sum().item() == 8
+        with pytest.raises(TypeError, match="stream of the sim"):
+            made.record_stream("not a stream")
+
+
+def test_make_graphed_callables_captures_and_replays_sim_graphs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    replays = []
+    replay = SimGraph.replay
+    monkeypatch.setattr(SimGraph, "replay", lambda graph: (replays.append(graph), replay(graph)))
+    with drop_in():
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(3, 2).cuda()
+        eager = torch.nn.Linear(3, 2).cuda()
+        eager.load_state_dict(layer.state_dict())
+        graphed = torch.cuda.make_graphed_callables(layer, (torch.zeros(4, 3, device="cuda"),))
+        x = torch.randn(4, 3, device="cuda")
+        replays.clear()
+        out = graphed(x)
+        assert replays and all(isinstance(g, SimGraph) for g in replays)
+        assert torch.allclose(out, eager(x))
+        out.sum().backward()  # the backward graph replays too
+        assert len(replays) >= 2
+
+
+def test_factories_follow_torchs_default_device_set_to_cuda() -> None:
+    with drop_in():
+        torch.set_default_device("cuda")
+        try:
+            made = [torch.zeros(2), torch.arange(3), torch.tensor([1, 2]), torch.empty(2, 2)]
+            assert all(t.is_cuda for t in made)
+            assert not torch.zeros(2, device="cpu").is_cuda
+        finally:
+            torch.set_default_device(None)
+        assert not torch.zeros(2).is_cuda
+        with torch.device("cuda"):
+            assert torch.ones(1).is_cuda
+
+
+def test_type_as_moves_to_the_others_device_and_dtype() -> None:
+    with drop_in():
+        on_device = torch.ones(2, device="cuda", dtype=torch.float16)
+        moved = torch.arange(2.0).type_as(on_device)
+        assert moved.is_cuda and moved.dtype == torch.float16
+        back = on_device.type_as(torch.zeros(1, dtype=torch.float64))
+        assert not back.is_cuda and back.dtype == torch.float64
+        assert back.tolist() == [1.0, 1.0]
+
+
+def test_nvtx_ranges_and_marks_do_nothing_on_the_sim() -> None:
+    with drop_in():
+        with torch.cuda.nvtx.range("step"):
+            torch.cuda.nvtx.range_push("inner")
+            torch.cuda.nvtx.mark("here")
+            torch.cuda.nvtx.range_pop()
+        torch.cuda.nvtx.range_end(torch.cuda.nvtx.range_start("span"))
+
+
+def test_memory_reports_answer_and_nvml_questions_are_refused_by_name() -> None:
+    with drop_in():
+        assert "sim" in torch.cuda.memory_summary()
+        assert torch.cuda.memory_snapshot() == []
+        for call, name in [
+            (torch.cuda.utilization, "utilization"),
+            (torch.cuda.temperature, "temperature"),
+            (lambda: torch.cuda.ExternalStream(1234), "ExternalStream"),
+        ]:
+            with pytest.raises(SimUnsupportedError, match=rf"{name}.*pure-PyTorch"):
+                call()

@@ -246,6 +246,12 @@ class SimBackend:
     def default_stream(self) -> SimStream:
         return self._default
 
+    def set_stream(self, s: SimStream) -> None:
+        """Make `s` the current stream until it is set again (`torch.cuda.set_stream`)."""
+        if not isinstance(s, SimStream):
+            raise TypeError(f"set_stream: expected a sim stream, got {s!r}")
+        self._current = s
+
     @contextmanager
     def stream(self, s: SimStream | None) -> Iterator[SimStream | None]:
         if s is None:

@@ -10,8 +10,9 @@ Python calls that name a device never reach the dispatcher with it: torch's argu
 initialise CUDA (and fail without it) before any dispatch mode is asked. `DeviceMode`, a
 `TorchFunctionMode` entered and left with the sim's activation, sees them first and rewrites them:
 factories with `device=` the sim device, `torch.tensor(data, device=)` (an upload from the host),
-`.to(...)`, `.cuda()`, `.cpu()`, `pin_memory=True`, `.pin_memory()`, `.is_pinned()`, and `x.data = y`
-(how `nn.Module.to` moves a parameter: it becomes a `SimDeviceParameter`). Crossings
+`.to(...)`, `.cuda()`, `.cpu()`, `.type_as(...)`, `pin_memory=True`, `.pin_memory()`, `.is_pinned()`,
+`.record_stream(...)`, factories under `torch.set_default_device("cuda")`, and `x.data = y` (how
+`nn.Module.to` moves a parameter: it becomes a `SimDeviceParameter`). Crossings
 between host and device become a fresh tensor on the other side and a `copy_` into it, so the
 dispatch mode judges every crossing in one place (`SimBackend._cross`).
 """
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils import _device as torch_default_device
 
 if TYPE_CHECKING:
     from pytest_graphmode.runtime.backends.sim.backend import SimBackend
@@ -53,6 +55,17 @@ class SimDeviceTensor(torch.Tensor):
 
     def get_device(self) -> int:
         return 0
+
+    def record_stream(self, stream: Any) -> None:
+        """On CUDA: keep the caching allocator from handing this tensor's block to other work
+        until what `stream` has queued so far is done. On the sim, queued work holds the tensors
+        it uses, and freed memory goes back to the CPU allocator, not to a stream: there is
+        nothing to delay. (torch's own method would refuse the sim's stream before any mode saw
+        the call.)"""
+        from pytest_graphmode.runtime.backends.sim.streams import SimStream
+
+        if not isinstance(stream, SimStream):
+            raise TypeError(f"record_stream: expected a stream of the sim, got {stream!r}")
 
 
 class SimDeviceParameter(SimDeviceTensor, torch.nn.Parameter):
@@ -101,9 +114,26 @@ class DeviceMode(TorchFunctionMode):
         handler = _HANDLERS.get(func)
         if handler is not None:
             return handler(self.backend, func, args, kwargs)
+        # `torch.set_default_device("cuda")` puts torch's own mode beneath this one, so a factory
+        # without a device reaches it only after this mode let it through: name the device here.
+        if torch_default_device.CURRENT_DEVICE is not None and kwargs.get("device") is None:
+            default = _default_sim_device(func)
+            if default is not None:
+                return _factory(self.backend, func, args, dict(kwargs, device=default))
         if kwargs and ("device" in kwargs or "pin_memory" in kwargs):
             return _factory(self.backend, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _default_sim_device(func: Any) -> torch.device | None:
+    """The sim device, where torch's default device (`torch.set_default_device`) is a CUDA device
+    and `func` is one of the factories that default applies to; else None."""
+    default = torch_default_device.CURRENT_DEVICE
+    if default is None or not is_sim_device(default):
+        return None
+    if func not in torch_default_device._device_constructors():
+        return None
+    return torch.device(default)
 
 
 def _factory(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -235,6 +265,13 @@ def _set_data(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dic
     return None
 
 
+def _type_as(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # torch reads the target from `other.type()`, a CPU type name for a sim tensor: it is `.to`
+    # with other's dtype and side.
+    other = args[1] if len(args) > 1 else kwargs["other"]
+    return _to(backend, torch.Tensor.to, (args[0], other), {})
+
+
 _PARAMETER_CLASSES = (torch.nn.Parameter, SimDeviceParameter)
 _UPLOADS = {torch.tensor, torch.as_tensor, torch.asarray}
 
@@ -245,6 +282,7 @@ _HANDLERS: dict[Any, _Handler] = {
     torch.Tensor.pin_memory: _pin_memory,
     torch.Tensor.is_pinned: _is_pinned,
     torch.Tensor.new_tensor: _new_tensor,
+    torch.Tensor.type_as: _type_as,
     # `x.data = y`: the property's setter, as torch function modes see it
     torch._C.TensorBase.__dict__["data"].__set__: _set_data,
 }

@@ -22,6 +22,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.cuda.graphs
+import torch.cuda.nvtx
+import torch.cuda.streams
 
 from pytest_graphmode.runtime.backends.sim.backend import SimBackend, SimGraph, current_backend
 from pytest_graphmode.runtime.backends.sim.device import is_sim_device
@@ -59,7 +62,8 @@ def drop_in() -> Iterator[SimBackend]:
     backend.activate()
     try:
         if _depth == 0:
-            _install(_surface(backend), _device_generic_surface(backend))
+            surface = _surface(backend)
+            _install(surface, _device_generic_surface(backend, surface))
         _depth += 1
         try:
             yield backend
@@ -217,6 +221,56 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _memory_summary(device: Any = None, abbreviated: bool = False) -> str:
+    _one_device(device)
+    return "pytest-graphmode sim: device memory is host memory, and the sim does not account it\n"
+
+
+def _memory_snapshot(*args: Any, **kwargs: Any) -> list[Any]:
+    return []  # no caching-allocator segments: the sim's device memory is the CPU allocator's
+
+
+def _unsupported(call: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise SimUnsupportedError(call)
+
+    return refuse
+
+
+class _SimNvtx:
+    """torch.cuda.nvtx's binding on the sim, with the binding's method names. Ranges and marks
+    annotate a profiler's timeline, and the sim has none, so they do nothing (on a CPU build of
+    torch, torch's own would raise)."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._ranges = 0
+
+    def rangePushA(self, msg: str) -> int:
+        self._depth += 1
+        return self._depth - 1
+
+    def rangePop(self) -> int:
+        self._depth = max(self._depth - 1, 0)
+        return self._depth
+
+    def rangeStartA(self, msg: str) -> int:
+        self._ranges += 1
+        return self._ranges
+
+    def rangeEnd(self, range_id: int) -> None:
+        return None
+
+    def markA(self, msg: str) -> None:
+        return None
+
+    def deviceRangeStart(self, msg: str, stream: int = 0) -> object:
+        return object()
+
+    def deviceRangeEnd(self, handle: object, stream: int = 0) -> None:
+        return None
+
+
 def _surface(backend: SimBackend) -> dict[str, Any]:
     def stream_on(device: Any = None) -> SimStream:
         _one_device(device)
@@ -252,6 +306,9 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
     def capturing() -> bool:
         return backend._active is not None
 
+    def set_stream(stream: SimStream) -> None:
+        backend.set_stream(stream)
+
     # The sim's device draws come from torch's global (CPU) generator: seeding "the GPU" seeds it.
     # (Directly: torch.manual_seed itself calls torch.cuda.manual_seed_all.)
     def manual_seed(seed: int) -> None:
@@ -285,12 +342,20 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
         "Stream": SimStream,
         "Event": SimEvent,
         "stream": backend.stream,
+        "set_stream": set_stream,
+        "ExternalStream": _unsupported("torch.cuda.ExternalStream (a stream made outside torch)"),
         "current_stream": stream_on,
         "default_stream": default_on,
         "synchronize": synchronize,
         "empty_cache": _nothing,
         "mem_get_info": mem_get_info,
         "memory_stats": _memory_stats,
+        "memory_summary": _memory_summary,
+        "memory_snapshot": _memory_snapshot,
+        "utilization": _unsupported("torch.cuda.utilization (NVML)"),
+        "temperature": _unsupported("torch.cuda.temperature (NVML)"),
+        "power_draw": _unsupported("torch.cuda.power_draw (NVML)"),
+        "clock_rate": _unsupported("torch.cuda.clock_rate (NVML)"),
         "memory_allocated": _zero,
         "max_memory_allocated": _zero,
         "memory_reserved": _zero,
@@ -311,7 +376,13 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
     return surface
 
 
-def _device_generic_surface(backend: SimBackend) -> list[tuple[Any, str, Any]]:
+# The names of torch.cuda.graphs that resolve to the sim with torch.cuda's.
+_GRAPHS_MODULE_NAMES = ("CUDAGraph", "graph", "graph_pool_handle", "is_current_stream_capturing")
+
+
+def _device_generic_surface(
+    backend: SimBackend, surface: dict[str, Any]
+) -> list[tuple[Any, str, Any]]:
     """The names outside `torch.cuda` that runners written for any accelerator ask (transformers
     5.19 onwards does): without them, a host without a GPU answers "no accelerator, the CPU"."""
     host_device_module = torch.get_device_module
@@ -330,6 +401,13 @@ def _device_generic_surface(backend: SimBackend) -> list[tuple[Any, str, Any]]:
         backend.synchronize()
 
     return [
+        # Where torch's own helpers look the names up: make_graphed_callables calls its module's
+        # graph_pool_handle, and a runner may name torch.cuda.graphs.CUDAGraph or
+        # torch.cuda.streams.Stream directly.
+        *((torch.cuda.graphs, name, surface[name]) for name in _GRAPHS_MODULE_NAMES),
+        (torch.cuda.streams, "Stream", SimStream),
+        (torch.cuda.streams, "Event", SimEvent),
+        (torch.cuda.nvtx, "_nvtx", _SimNvtx()),
         (torch, "get_device_module", get_device_module),
         (torch.accelerator, "is_available", lambda: True),
         (torch.accelerator, "device_count", lambda: 1),

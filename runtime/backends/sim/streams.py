@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass(eq=False)
 class _Work:
@@ -142,6 +144,19 @@ class SimStream:
     @property
     def is_default(self) -> bool:
         return self is self._backend.default_stream()
+
+    # What torch.cuda.Stream tells about itself. `cuda_stream` is the handle a runner hands to a
+    # kernel or compares streams by: 0 for the default stream, as on CUDA, else unique per stream.
+    device_index = 0
+    device_type = 1  # torch's DeviceType.CUDA
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+    @property
+    def cuda_stream(self) -> int:
+        return 0 if self.is_default else self.stream_id + 1
 
     def wait_event(self, event: SimEvent) -> None:
         self._backend.stream_wait_event(self, event)
