@@ -306,9 +306,6 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
     def capturing() -> bool:
         return backend._active is not None
 
-    def set_stream(stream: SimStream) -> None:
-        backend.set_stream(stream)
-
     # The sim's device draws come from torch's global (CPU) generator: seeding "the GPU" seeds it.
     # (Directly: torch.manual_seed itself calls torch.cuda.manual_seed_all.)
     def manual_seed(seed: int) -> None:
@@ -342,7 +339,7 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
         "Stream": SimStream,
         "Event": SimEvent,
         "stream": backend.stream,
-        "set_stream": set_stream,
+        "set_stream": backend.set_stream,
         "ExternalStream": _unsupported("torch.cuda.ExternalStream (a stream made outside torch)"),
         "current_stream": stream_on,
         "default_stream": default_on,
