@@ -126,14 +126,12 @@ class DeviceMode(TorchFunctionMode):
 
 
 def _default_sim_device(func: Any) -> torch.device | None:
-    """The sim device, where torch's default device (`torch.set_default_device`) is a CUDA device
-    and `func` is one of the factories that default applies to; else None."""
+    """torch's default device (`torch.set_default_device`), where it is a CUDA device and `func`
+    is one of the factories that default applies to; else None."""
     default = torch_default_device.CURRENT_DEVICE
-    if default is None or not is_sim_device(default):
+    if not is_sim_device(default) or func not in torch_default_device._device_constructors():
         return None
-    if func not in torch_default_device._device_constructors():
-        return None
-    return torch.device(default)
+    return default
 
 
 def _factory(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

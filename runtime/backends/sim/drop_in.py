@@ -63,7 +63,7 @@ def drop_in() -> Iterator[SimBackend]:
     try:
         if _depth == 0:
             surface = _surface(backend)
-            _install(surface, _device_generic_surface(backend, surface))
+            _install(surface, _submodule_surface(surface) + _device_generic_surface(backend))
         _depth += 1
         try:
             yield backend
@@ -377,9 +377,20 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
 _GRAPHS_MODULE_NAMES = ("CUDAGraph", "graph", "graph_pool_handle", "is_current_stream_capturing")
 
 
-def _device_generic_surface(
-    backend: SimBackend, surface: dict[str, Any]
-) -> list[tuple[Any, str, Any]]:
+def _submodule_surface(surface: dict[str, Any]) -> list[tuple[Any, str, Any]]:
+    """The names of torch.cuda's submodules that must resolve to the sim with torch.cuda's own:
+    torch's helpers look them up there (make_graphed_callables calls its module's
+    graph_pool_handle, nvtx calls its binding), and a runner may name
+    torch.cuda.graphs.CUDAGraph or torch.cuda.streams.Stream directly."""
+    return [
+        *((torch.cuda.graphs, name, surface[name]) for name in _GRAPHS_MODULE_NAMES),
+        (torch.cuda.streams, "Stream", SimStream),
+        (torch.cuda.streams, "Event", SimEvent),
+        (torch.cuda.nvtx, "_nvtx", _SimNvtx()),
+    ]
+
+
+def _device_generic_surface(backend: SimBackend) -> list[tuple[Any, str, Any]]:
     """The names outside `torch.cuda` that runners written for any accelerator ask (transformers
     5.19 onwards does): without them, a host without a GPU answers "no accelerator, the CPU"."""
     host_device_module = torch.get_device_module
@@ -398,13 +409,6 @@ def _device_generic_surface(
         backend.synchronize()
 
     return [
-        # Where torch's own helpers look the names up: make_graphed_callables calls its module's
-        # graph_pool_handle, and a runner may name torch.cuda.graphs.CUDAGraph or
-        # torch.cuda.streams.Stream directly.
-        *((torch.cuda.graphs, name, surface[name]) for name in _GRAPHS_MODULE_NAMES),
-        (torch.cuda.streams, "Stream", SimStream),
-        (torch.cuda.streams, "Event", SimEvent),
-        (torch.cuda.nvtx, "_nvtx", _SimNvtx()),
         (torch, "get_device_module", get_device_module),
         (torch.accelerator, "is_available", lambda: True),
         (torch.accelerator, "device_count", lambda: 1),

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from pytest_graphmode.runtime.backends.sim.device import SIM_DEVICE
+
 
 @dataclass(eq=False)
 class _Work:
@@ -152,7 +154,7 @@ class SimStream:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cuda", 0)
+        return SIM_DEVICE
 
     @property
     def cuda_stream(self) -> int:
