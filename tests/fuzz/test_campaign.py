@@ -282,6 +282,7 @@ def test_a_campaign_freezes_the_heap_it_found_while_it_runs_and_only_then():
 FROZEN_AT_START = """
 import gc
 gc.freeze()  # as a Python whose start-up froze its first few hundred objects
+gc.disable()  # no automatic collection: only the campaign's own can free the garbage below
 import json, weakref
 from pytest_graphmode.fuzz import run_campaign
 from tests.fuzz import toy
