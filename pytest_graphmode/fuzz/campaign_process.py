@@ -64,16 +64,12 @@ def long_lived_objects_frozen() -> Iterator[None]:
 
     The heap is frozen also where something froze a part of it before (the H200 hosts' Python
     starts with a few hundred objects frozen): skipping the freeze there left every collection
-    walking all of torch. Afterwards it is unfrozen only if nothing was frozen before; otherwise
-    what was frozen stays frozen, as its owner arranged, and so does what the campaign froze with
-    it, collected first so that no garbage (a twin's graphs, their device memory) is kept for good.
+    walking all of torch. Afterwards the whole heap is unfrozen, that part too: `gc` cannot
+    unfreeze only the campaign's part, and a heap left frozen would keep every reference cycle in
+    it (a later test's graphs, their device memory) for the rest of the process.
     """
-    frozen_before = gc.get_freeze_count()
-    if frozen_before:
-        gc.collect()
     gc.freeze()
     try:
         yield
     finally:
-        if not frozen_before:
-            gc.unfreeze()
+        gc.unfreeze()
