@@ -12,7 +12,8 @@ The campaign is the size of what `pytest --graphmode-fuzz` runs by default (40 e
 steps: about what fits in the default profile's 20 s on sim), not the suite's CI budget: a campaign
 of 5 examples is mostly the process's first-use costs (torch's lazy imports at the first capture,
 the first twins' warm-ups), the same for every engine. `GRAPHMODE_ENGINE_EXAMPLES` and
-`GRAPHMODE_ENGINE_STEPS` change it.
+`GRAPHMODE_ENGINE_STEPS` change it. `GRAPHMODE_ENGINE_COMPILER_STACK=first` starts every engine's
+campaign with torch's compiler stack imported (`engine_campaign.py --compiler-stack-first`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ ROUNDS = int(os.environ.get("GRAPHMODE_ENGINE_ROUNDS", "3"))
 EXAMPLES = int(os.environ.get("GRAPHMODE_ENGINE_EXAMPLES", "40"))
 STEPS = int(os.environ.get("GRAPHMODE_ENGINE_STEPS", "8"))
 SCRIPT = Path(__file__).with_name("engine_campaign.py")
+# "first": every engine's campaign starts with torch's compiler stack imported (see
+# engine_campaign.py, --compiler-stack-first); left out, each pays the import where it happens.
+COMPILER_STACK_FIRST = os.environ.get("GRAPHMODE_ENGINE_COMPILER_STACK", "") == "first"
 
 
 def _baselines() -> list[Path]:
@@ -63,7 +67,8 @@ def _campaign(site: Path | None, backend: str, extra: Sequence[str] = ()) -> dic
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--backend", backend,
-         "--examples", str(EXAMPLES), "--steps", str(STEPS), "--seed", "0", *extra],
+         "--examples", str(EXAMPLES), "--steps", str(STEPS), "--seed", "0",
+         *(["--compiler-stack-first"] if COMPILER_STACK_FIRST else []), *extra],
         env=env, capture_output=True, text=True, check=False,
     )  # fmt: skip
     if done.returncode != 0:
@@ -101,6 +106,7 @@ def test_engine_speedup(
     benchmark.extra_info.update(
         examples=EXAMPLES,
         steps_per_example=STEPS,
+        compiler_stack_first=COMPILER_STACK_FIRST,
         steps_per_s=medians,
         steps_per_s_each_round=rates,
         speedup_over={

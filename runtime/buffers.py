@@ -8,6 +8,7 @@ buffer while the previous copy is still queued, and the graph would read a mix o
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,8 @@ class StaticInputs:
         self._host = backend.empty_pinned(total, dtype=torch.int64)
         self._device = torch.zeros(total, dtype=torch.int64, device=backend.device)
         self._host_fields = _split(self._host, lengths, reqs, blocks)
+        starts = itertools.accumulate(lengths.values(), initial=0)
+        self._host_offsets = dict(zip(lengths, starts, strict=False))
         self._device_fields = _split(self._device, lengths, reqs, blocks)
         self._copied = backend.Event()
         self._copy_pending = False
@@ -137,10 +140,19 @@ class StaticInputs:
         return step_problems(batch, self._spec, num_adapters=self.limits.num_adapters)
 
     def _write_host(self, rows: HostRows) -> None:
+        # Every integer field's rows in one indexed write: a step costs a fixed number of tensor
+        # operations, not a few per field (on the sim every operation costs as much as a small
+        # kernel launch does on a GPU).
+        index: list[int] = []
+        values: list[int] = []
         for name in _INT_FIELDS:
-            values: list[int] = getattr(rows, name)
-            target = self._host_fields[name].view(-1)
-            target[: len(values)].copy_(torch.tensor(values, dtype=torch.int64))
+            field_values: list[int] = getattr(rows, name)
+            start = self._host_offsets[name]
+            index.extend(range(start, start + len(field_values)))
+            values.extend(field_values)
+        self._host.index_copy_(
+            0, torch.tensor(index, dtype=torch.int64), torch.tensor(values, dtype=torch.int64)
+        )
         temperatures = self._host_fields["temperatures"]
         temperatures[: len(rows.temperatures)].copy_(
             torch.tensor(rows.temperatures, dtype=torch.float32)

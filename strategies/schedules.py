@@ -11,6 +11,8 @@ size but another kind, query length or adapter mix are what probe an incomplete 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
@@ -21,6 +23,7 @@ from pytest_graphmode.strategies.swarm import EVERYTHING, Swarm, swarms
 
 ADAPTERS = (0, 1)
 TEMPERATURES = (0.5, 1.0, 2.0)
+MAX_SPEC_K = 4  # draft tokens a speculative step proposes at most
 DELAY_CYCLES = 2_000_000  # long enough that an unsynchronised copy stream visibly lags behind
 
 
@@ -69,7 +72,8 @@ def arrival_lists(spec: TargetSpec) -> st.SearchStrategy[list[Arrival]]:
     grow past the larger buckets (3 -> 9 -> 2 requests) within a dozen steps. A crowd's size is a
     row count, mostly next to a capture size, so the decode steps it starts are padded."""
     short = arrivals(spec).map(lambda a: dataclasses.replace(a, prompt_len=1 + a.prompt_len % 3))
-    crowd = row_counts(spec).flatmap(lambda n: st.lists(short, min_size=n, max_size=n))
+    crowds = {n: st.lists(short, min_size=n, max_size=n) for n in range(1, spec.max_num_reqs + 1)}
+    crowd = row_counts(spec).flatmap(crowds.__getitem__)
     return st.one_of(st.just([]), st.lists(arrivals(spec), max_size=4), crowd)
 
 
@@ -109,25 +113,62 @@ def step_kinds(spec: TargetSpec) -> st.SearchStrategy[StepKind]:
     return st.one_of(st.just("decode"), st.sampled_from(others))
 
 
+@dataclass(frozen=True)
+class _PlanStrategies:
+    """The strategies one step plan draws from, for one spec, swarm and `pipelined`."""
+
+    kind: st.SearchStrategy[StepKind]
+    rows: st.SearchStrategy[int]
+    arrivals: st.SearchStrategy[list[Arrival]]
+    finish: st.SearchStrategy[list[int]]
+    preempt: st.SearchStrategy[list[int]]
+    spec_k: st.SearchStrategy[int]
+    accepted: tuple[st.SearchStrategy[int], ...]  # by spec_k
+    chunk: st.SearchStrategy[int]
+    rotate: st.SearchStrategy[int]
+    stress: st.SearchStrategy[Stress]
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_strategies(spec: TargetSpec, pipelined: bool, swarm: Swarm) -> _PlanStrategies:
+    """Built once per spec and swarm, not once per step: Hypothesis validates every strategy
+    object the first time it draws from it and works out its properties (can it be empty, are its
+    values reusable) by walking it, which cost more than the draws themselves when each of a
+    schedule's plans built its strategies anew. The draws are the same either way."""
+    spec = swarm.spec(spec)
+    largest = spec.capture_sizes[-1] if spec.capture_sizes else 1
+    return _PlanStrategies(
+        kind=step_kinds(spec),
+        rows=row_counts(spec),
+        arrivals=arrival_lists(spec),
+        finish=st.lists(st.integers(0, 63), max_size=2),
+        preempt=st.lists(st.integers(0, 63), max_size=1),
+        spec_k=st.integers(1, MAX_SPEC_K),
+        accepted=tuple(st.integers(0, k) for k in range(MAX_SPEC_K + 1)),
+        chunk=st.one_of(st.integers(1, largest), st.integers(1, spec.max_num_tokens)),
+        rotate=st.integers(0, 63),
+        stress=stresses(spec, pipelined, swarm),
+    )
+
+
 @st.composite
 def step_plans(
     draw: st.DrawFn, spec: TargetSpec, pipelined: bool = True, swarm: Swarm = EVERYTHING
 ) -> StepPlan:
     """One step; its features and stressors are those of `spec` that `swarm` leaves on."""
-    spec = swarm.spec(spec)
-    spec_k = draw(st.integers(1, 4))
-    largest = spec.capture_sizes[-1] if spec.capture_sizes else 1
+    parts = _plan_strategies(spec, pipelined, swarm)
+    spec_k = draw(parts.spec_k)
     return StepPlan(
-        kind=draw(step_kinds(spec)),
-        rows=draw(row_counts(spec)),
-        arrivals=tuple(draw(arrival_lists(spec))),
-        finish=tuple(draw(st.lists(st.integers(0, 63), max_size=2))),
-        preempt=tuple(draw(st.lists(st.integers(0, 63), max_size=1))),
+        kind=draw(parts.kind),
+        rows=draw(parts.rows),
+        arrivals=tuple(draw(parts.arrivals)),
+        finish=tuple(draw(parts.finish)),
+        preempt=tuple(draw(parts.preempt)),
         spec_k=spec_k,
-        accepted=draw(st.integers(0, spec_k)),
-        chunk=draw(st.one_of(st.integers(1, largest), st.integers(1, spec.max_num_tokens))),
-        rotate=draw(st.integers(0, 63)),
-        stress=draw(stresses(spec, pipelined, swarm)),
+        accepted=draw(parts.accepted[spec_k]),
+        chunk=draw(parts.chunk),
+        rotate=draw(parts.rotate),
+        stress=draw(parts.stress),
     )
 
 
@@ -139,9 +180,15 @@ def schedules(
     legal batches. `pipelined=False` draws no pipelined pairs: every step runs in lockstep."""
     if max_steps < 1:
         raise ValueError(f"max_steps={max_steps} must be >= 1")
-    return swarms(spec).flatmap(
-        lambda swarm: st.lists(step_plans(spec, pipelined, swarm), min_size=1, max_size=max_steps)
-    )
+    return swarms(spec).flatmap(functools.partial(_plan_lists, spec, pipelined, max_steps))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_lists(
+    spec: TargetSpec, pipelined: bool, max_steps: int, swarm: Swarm
+) -> st.SearchStrategy[list[StepPlan]]:
+    """One schedule's plans under `swarm`; built once per swarm (see `_plan_strategies`)."""
+    return st.lists(step_plans(spec, pipelined, swarm), min_size=1, max_size=max_steps)
 
 
 def first_pair() -> list[StepPlan]:

@@ -251,13 +251,16 @@ class CudaVmmPool:
         maps them any more)."""
         if self._closed:
             return
-        # Graphs caught in reference cycles (torch's capture context keeps some) still hold their
-        # pools until the cycle collector runs; collect first so their segments can come back.
-        gc.collect()
         for key in list(self._views):
             self.discard(key)
         # Views discarded earlier may have lost their last tensors since: hand those segments back.
         torch.cuda.empty_cache()
+        if any(view._pool is self for view in _unreleased_views):
+            # Graphs caught in reference cycles (torch's capture context can keep some) hold
+            # their segments until the cycle collector runs. Collected only when a view is still
+            # held: a full collection walks every object of the process.
+            gc.collect()
+            torch.cuda.empty_cache()
         driver = self._driver
         with _driver.relaxed_capture_mode(driver):
             while self._chunks:

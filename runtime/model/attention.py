@@ -55,7 +55,7 @@ def block_slots(blocks: Tensor, block_size: int) -> Tensor:
     """[..., B] block tables -> [..., B * block_size] KV slots of positions 0 .. B*block_size-1:
     the tensor form of `pytest_graphmode.contract.kv_slot`."""
     offsets = torch.arange(block_size, device=blocks.device)
-    return (blocks[..., None] * block_size + offsets).flatten(-2)
+    return (blocks.unsqueeze(-1) * block_size + offsets).flatten(-2)
 
 
 def attend(
@@ -72,27 +72,29 @@ def attend(
     max_blocks = inputs.block_tables.shape[1]
     max_keys = max_blocks * block_size
     device = q.device
+    # Written for few tensor operations (views, not indexing with None): eager steps and captures
+    # cost about one host launch per operation on cuda, and one Python dispatch on the sim.
 
-    rows = torch.arange(num_tokens, device=device)
-    query_end = inputs.query_start[1:]
     token_req = token_requests(inputs)  # [T]
     # A token sees its request's keys up to its own position: the sequence length less the
-    # request's query tokens that come after it.
-    tokens_after = query_end.index_select(0, token_req) - 1 - rows
-    visible = inputs.seq_lens.index_select(0, token_req) - tokens_after  # [T]
-    mask = torch.arange(max_keys, device=device)[None, :] < visible[:, None]  # [T, K]
+    # request's query tokens that come after it, i.e. seq_len - query_end + 1 + row.
+    query_end = inputs.query_start[1:].index_select(0, token_req)
+    rows_after = torch.arange(1, num_tokens + 1, device=device) - query_end
+    visible = inputs.seq_lens.index_select(0, token_req) + rows_after  # [T]
+    # [T, K]: the key positions each token must not see.
+    masked = torch.arange(max_keys, device=device).view(1, max_keys) >= visible.view(num_tokens, 1)
 
     blocks = inputs.block_tables.index_select(0, token_req).clamp(0, num_slots // block_size - 1)
-    slots = block_slots(blocks, block_size).reshape(-1)  # [T * K]
+    slots = block_slots(blocks, block_size).view(-1)  # [T * K]
     cached = kv_cache[:, layer].index_select(0, slots)  # [T * K, 2, kv_heads, head_dim]
     cached = cached.view(num_tokens, max_keys, 2, kv_heads, head_dim)
-    cached = cached.masked_fill(~mask[:, :, None, None, None], 0).float()
+    cached = cached.masked_fill(masked.view(num_tokens, max_keys, 1, 1, 1), 0).float()
     keys = cached[:, :, 0].permute(0, 2, 3, 1)  # [T, kv_heads, head_dim, K]
     values = cached[:, :, 1].permute(0, 2, 1, 3)  # [T, kv_heads, K, head_dim]
 
     group = heads // kv_heads
     grouped_q = q.float().view(num_tokens, kv_heads, group, head_dim)
     scores = torch.matmul(grouped_q, keys) * (1.0 / math.sqrt(head_dim))  # [T, kv_heads, G, K]
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    scores = scores.masked_fill(masked.view(num_tokens, 1, 1, max_keys), float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [T, kv_heads, G, head_dim]
     return out.reshape(num_tokens, heads, head_dim).to(q.dtype)

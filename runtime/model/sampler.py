@@ -37,15 +37,15 @@ def sample(logits: Tensor, seeds: Tensor, temperatures: Tensor, positions: Tenso
 
 
 def _hash(seeds: Tensor, positions: Tensor, token_ids: Tensor) -> Tensor:
-    """32-bit hash (in int64) of every (seed, position, token id) combination, broadcast."""
+    """32-bit hash (in int64) of every (seed, position, token id) combination, broadcast.
+
+    Each 64-bit input is folded into one 32-bit lane (its high half xor its low half) before it is
+    mixed in: three mixes instead of one per 32-bit word. A sampling step is a few dozen tensor
+    operations whatever the batch, and on the sim, which runs every operation through Python, its
+    operation count is what it costs."""
     state = _mix(token_ids ^ _TOKEN_SALT)
-    for word in (
-        positions & _LANE,
-        (positions >> 32) & _LANE,
-        seeds & _LANE,
-        (seeds >> 32) & _LANE,
-    ):
-        state = _mix(state ^ word)
+    for word in (positions, seeds):
+        state = _mix(state ^ ((word ^ (word >> 32)) & _LANE))
     return state
 
 

@@ -314,6 +314,32 @@ def test_a_campaign_freezes_the_heap_also_where_a_part_of_it_was_frozen_and_unfr
     assert garbage_collected
 
 
+COMPILER_STACK = """
+import gc, json, sys
+import torch
+from pytest_graphmode.fuzz.campaign_process import long_lived_objects_frozen
+
+before = "torch._dynamo" in sys.modules
+with long_lived_objects_frozen():
+    import torch._dynamo
+    tracked = {id(o) for o in gc.get_objects()}  # the frozen heap is tracked no more
+    frozen = id(torch._dynamo.disable) not in tracked and id(vars(torch._dynamo)) not in tracked
+print(json.dumps([before, frozen]))
+"""
+
+
+def test_torchs_compiler_stack_is_frozen_with_the_heap_though_torch_imports_it_lazily():
+    # torch imports torch._dynamo the first time a dispatch mode or a custom op runs: inside a
+    # campaign, where every full collection would walk its few hundred thousand objects.
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILER_STACK],
+        cwd=Path(__file__).parents[2], capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    imported_before, frozen = json.loads(done.stdout.splitlines()[-1])
+    assert not imported_before and frozen
+
+
 @pytest.mark.parametrize(("asked", "inside"), [(1, 1), (3, 3), (None, 2)])
 def test_a_campaign_runs_with_the_cpu_threads_asked_and_restores_torchs(asked, inside):
     before = torch.get_num_threads()

@@ -6,10 +6,11 @@ import dataclasses
 import random
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pytest_graphmode.contract import Batch, batch_problems
+from pytest_graphmode.strategies import schedules as schedules_module
 from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import BlockAllocator, BlockScheduler, compile_schedule
 from pytest_graphmode.strategies.schedules import batch_lists, row_counts, schedules
@@ -140,3 +141,21 @@ def test_batch_lists_are_legal_consecutive_steps(batches):
     assert 1 <= len(batches) <= 5
     for batch in batches:
         assert batch_problems(batch, SPEC) == []
+
+
+def test_a_swarms_step_strategies_are_built_once_not_once_per_step():
+    # Hypothesis validates and walks every strategy object it has not drawn from before: built
+    # per step, that walk cost more than the draws themselves.
+    schedules_module._plan_strategies.cache_clear()
+    schedules_module._plan_lists.cache_clear()
+
+    @settings(max_examples=40, database=None, derandomize=True)
+    @given(data=st.data())
+    def draw(data):
+        plans = data.draw(schedules(SPEC, max_steps=8))
+        assert plans
+
+    draw()
+    built = schedules_module._plan_strategies.cache_info()
+    assert built.misses == schedules_module._plan_lists.cache_info().misses
+    assert built.hits > 3 * built.misses  # most steps reuse their swarm's strategies
