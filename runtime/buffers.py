@@ -8,7 +8,6 @@ buffer while the previous copy is still queued, and the graph would read a mix o
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -84,8 +83,10 @@ class StaticInputs:
         self._host = backend.empty_pinned(total, dtype=torch.int64)
         self._device = torch.zeros(total, dtype=torch.int64, device=backend.device)
         self._host_fields = _split(self._host, lengths, reqs, blocks)
-        starts = itertools.accumulate(lengths.values(), initial=0)
-        self._host_offsets = dict(zip(lengths, starts, strict=False))
+        # Where each integer field starts in the packed host buffer, for `_write_host`.
+        self._host_offsets = {
+            name: self._host_fields[name].storage_offset() for name in _INT_FIELDS
+        }
         self._device_fields = _split(self._device, lengths, reqs, blocks)
         self._copied = backend.Event()
         self._copy_pending = False

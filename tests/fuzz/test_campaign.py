@@ -302,13 +302,18 @@ print(json.dumps([before, min(frozen), after, garbage() is None]))
 """
 
 
-def test_a_campaign_freezes_the_heap_also_where_a_part_of_it_was_frozen_and_unfreezes_it():
+def _child_result(code: str) -> list:
+    """Run `code` in a fresh interpreter at the project root; the JSON it printed last."""
     done = subprocess.run(
-        [sys.executable, "-c", FROZEN_AT_START],
+        [sys.executable, "-c", code],
         cwd=Path(__file__).parents[2], capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    before, during, after, garbage_collected = json.loads(done.stdout.splitlines()[-1])
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_campaign_freezes_the_heap_also_where_a_part_of_it_was_frozen_and_unfreezes_it():
+    before, during, after, garbage_collected = _child_result(FROZEN_AT_START)
     assert during > before + 50_000  # torch and the rest were frozen all the same
     assert after == 0  # and nothing stays frozen, so no reference cycle is kept for good
     assert garbage_collected
@@ -331,12 +336,7 @@ print(json.dumps([before, frozen]))
 def test_torchs_compiler_stack_is_frozen_with_the_heap_though_torch_imports_it_lazily():
     # torch imports torch._dynamo the first time a dispatch mode or a custom op runs: inside a
     # campaign, where every full collection would walk its few hundred thousand objects.
-    done = subprocess.run(
-        [sys.executable, "-c", COMPILER_STACK],
-        cwd=Path(__file__).parents[2], capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    imported_before, frozen = json.loads(done.stdout.splitlines()[-1])
+    imported_before, frozen = _child_result(COMPILER_STACK)
     assert not imported_before and frozen
 
 

@@ -214,7 +214,7 @@ def test_close_unmaps_views_discarded_while_their_tensors_lived():
 
 
 @pytest.fixture
-def collections(monkeypatch):
+def full_collections(monkeypatch):
     """The full collections `close` runs, with automatic collection off meanwhile (it could free
     a reference cycle before `close` does)."""
     made: list[int] = []
@@ -227,20 +227,20 @@ def collections(monkeypatch):
         cuda_vmm.gc.enable()
 
 
-def test_close_collects_a_reference_cycle_that_holds_a_view(collections):
+def test_close_collects_a_reference_cycle_that_holds_a_view(full_collections):
     pool = _vmm_pool(view_capacity=64 * MiB)
     view = pool.new_view("k")
     holder = {"tensor": _allocate_in(view, MiB)}
     holder["self"] = holder  # only the cycle collector can free the tensor
     del holder
     pool.close()
-    assert view.unmapped and collections == [1]
+    assert view.unmapped and full_collections == [1]
 
 
-def test_close_runs_no_full_collection_when_nothing_holds_a_view(collections):
+def test_close_runs_no_full_collection_when_nothing_holds_a_view(full_collections):
     pool = _vmm_pool(view_capacity=64 * MiB)
     view = pool.new_view("k")
     tensor = _allocate_in(view, MiB)
     del tensor
     pool.close()
-    assert view.unmapped and collections == []
+    assert view.unmapped and full_collections == []
