@@ -5,8 +5,11 @@
 deadline: a first example that captures graphs is legitimately slow.
 """
 
+import importlib
 import os
+from collections.abc import Iterator
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -22,3 +25,25 @@ settings.load_profile(
 # One intra-op thread per test process: the suite runs one process per core (pytest-xdist), and
 # small tensor kernels slow down by orders of magnitude when threads oversubscribe the cores.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _torch_left_as_found() -> Iterator[None]:
+    """Fail a test that leaves the sim routing torch (an `activate()` or a drop-in scope never
+    left, a campaign's twins never closed): every later test of that process would run through
+    it, e.g. `torch.manual_seed` would no longer seed the GPU's generator."""
+    before = _sim_routing()
+    yield
+    after = _sim_routing()
+    if after != before:
+        pytest.fail(
+            f"the test left the sim as (drop-in active, dispatch active) = {after}, not {before} "
+            "as it found it: leave every drop_in()/activate() scope and close every campaign"
+        )
+
+
+def _sim_routing() -> tuple[bool, bool]:
+    """(drop-in active, sim dispatch active), without making the sim backend where none exists."""
+    drop_in = importlib.import_module("pytest_graphmode.runtime.backends.sim.drop_in")
+    sim = importlib.import_module("pytest_graphmode.runtime.backends.sim.backend")
+    return drop_in.is_active(), sim._BACKEND is not None and sim._BACKEND.is_active

@@ -23,21 +23,24 @@ def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str) -> Te
 
 
 def rope_angles(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
-    """cos, sin [T, 1, head_dim // 2] of each token's rotation, shared by every layer.
+    """cos, sin [T, 1, head_dim] of each token's rotation, shared by every layer, laid out for
+    `apply_rope`: cos repeated over both halves, sin negated over the first half.
 
     Angles come from the positions on the device, never from a host table, so any position value
     (including a padding row's garbage) is safe.
     """
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cos(angles)[:, None, :], torch.sin(angles)[:, None, :]
+    angles = positions.to(torch.float32).view(-1, 1) * inv_freq.view(1, -1)
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate `x` [T, heads, head_dim], pairing element i with element i + head_dim // 2."""
+    """Rotate `x` [T, heads, head_dim], pairing element i with element i + head_dim // 2:
+    (a, b) -> (a cos - b sin, b cos + a sin), with the halves swapped by one roll and the sign in
+    `sin` (from `rope_angles`). The same bits as the two-halves form (`a + b * -s` is `a - b * s`
+    in IEEE arithmetic), in three tensor operations per call instead of eight."""
     x32 = x.float()
-    first, second = x32.chunk(2, dim=-1)
-    rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
-    return rotated.to(x.dtype)
+    return (x32 * cos + x32.roll(x32.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
 
 
 def silu_mlp(x: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
