@@ -152,7 +152,7 @@ def run_campaign(
         try:
             twins.run(events, example_seed)
         except HistoryFailure as escaped:
-            budget.failed(escaped.failed, unshrunk=HISTORY)
+            budget.failed(escaped.failed, unshrunk=escaped.unshrunk)
             raise
         except Exception as failed:
             budget.failed(failed, unshrunk=LEADING if budget.leading else None)
@@ -252,7 +252,6 @@ LEADING = (
     "shrinking skipped: this is the campaign's first example, the simplest schedule with a "
     "pipelined pair, and its replay ends at the failing step"
 )
-HISTORY = "shrinking skipped: the failure needs the examples before it on the same twins"
 
 
 def out_of_time(stats: CampaignStats, started: float, seconds: float | None) -> bool:

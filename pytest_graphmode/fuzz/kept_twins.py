@@ -34,14 +34,29 @@ FRESH_EVERY = 8
 """Examples run on one set of twins before fresh ones are made (and their graphs captured)."""
 
 
-class HistoryFailure(BaseException):
-    """A failure that needed the twins' history. A `BaseException`, so that it passes Hypothesis
-    unshrunk: shrinking it example by example would find that it passes alone (flaky, to
-    Hypothesis)."""
+NEEDS_HISTORY = "shrinking skipped: the failure needs the examples before it on the same twins"
+NEEDS_WEIGHTS = (
+    "shrinking skipped: the example started from weights an earlier example loaded, which the "
+    "drawn example does not hold; its snippet replays that weight update first"
+)
 
-    def __init__(self, failed: GraphmodeFailure) -> None:
+IN_CONSTRUCTION = (
+    "shrinking skipped: the twins' construction failed, before any step of the example; its "
+    "snippet makes the twins and runs no step"
+)
+
+
+class HistoryFailure(BaseException):
+    """A failure that needed the twins' history (their weights, or every example run on them),
+    or none of the example (the twins' construction failed). A `BaseException`, so that it passes
+    Hypothesis unshrunk: shrinking it example by example would find that it passes alone (flaky,
+    to Hypothesis), or would draw examples that make no difference. `unshrunk` says which, for
+    the report."""
+
+    def __init__(self, failed: GraphmodeFailure, unshrunk: str = NEEDS_HISTORY) -> None:
         super().__init__(failed.failure.message)
         self.failed = failed
+        self.unshrunk = unshrunk
 
 
 class KeptTwins:
@@ -60,9 +75,13 @@ class KeptTwins:
         kept = self._kept
         if kept is None or kept.examples >= FRESH_EVERY:
             self.close()
-            kept = self._kept = Lockstep(
-                self._factory, backend=self._backend, seed=seed, stats=self._stats, kept=True
-            )
+            try:
+                kept = self._kept = Lockstep(
+                    self._factory, backend=self._backend, seed=seed, stats=self._stats, kept=True
+                )
+            except GraphmodeFailure as made:  # the twins do not start identical
+                self._keep = False
+                raise HistoryFailure(made, IN_CONSTRUCTION) from None
             run: list[Batch | Stress | Reset] = list(events)
         else:
             run = [Reset(seed), *events]
@@ -125,7 +144,7 @@ class KeptTwins:
                 "then the example"
             )
             failure = dataclasses.replace(alone.failure, message=alone.failure.message + note)
-            raise HistoryFailure(GraphmodeFailure(failure, self._stats)) from found
+            raise HistoryFailure(GraphmodeFailure(failure, self._stats), NEEDS_WEIGHTS) from found
         note = (
             f"\nthis failure needed the twins' history: the failing example passes alone on fresh "
             f"twins. It was example {examples} run on the same twins; the snippet above replays "

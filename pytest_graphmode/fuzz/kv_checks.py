@@ -37,6 +37,8 @@ def row_mask(equal: torch.Tensor) -> torch.Tensor:
 def _owner_text(block: int, batches: Sequence[Batch], spec: TargetSpec) -> str:
     if block == spec.null_block:
         return "the null block"
+    if not any(batch.requests for batch in batches):
+        return f"block {block}, before any request was sent"
     for batch in reversed(batches):  # the latest owner first
         for request in batch.requests:
             if block in request.block_ids:

@@ -36,6 +36,7 @@ from pytest_graphmode.contract import Batch, GraphTarget, StepResult, TargetFact
 from pytest_graphmode.failure import Failure, GraphmodeFailure
 from pytest_graphmode.fuzz import sampling_check
 from pytest_graphmode.fuzz.checks import Outcome
+from pytest_graphmode.fuzz.construction import made_twins_violations
 from pytest_graphmode.fuzz.registry import REGISTRY, Evidence, Kept, State
 from pytest_graphmode.fuzz.snippet import replay_snippet
 from pytest_graphmode.fuzz.violation import Violation
@@ -163,12 +164,53 @@ class Lockstep:
                     f"the factory made twins with different specs: {twin.spec} vs "
                     f"{self.spec}; a factory must be deterministic in its seed"
                 )
+        try:
+            self._judge_made_twins()
+        except BaseException:
+            self.close()
+            raise
         if kept:
             # Kept on the device: a `Reset` is then one device-side copy per tensor.
             self._saved = [
                 {key: value.detach().clone() for key, value in twin.state().items()}
                 for twin in self._targets
             ]
+
+    def _judge_made_twins(self) -> None:
+        """Raise `GraphmodeFailure` unless the twins start identical (`construction.py`)."""
+        races = self.backend.take_races()
+        others = [("graph", self.graph), ("clean", self.clean), ("company", self.company)]
+        violations, twin = made_twins_violations(
+            races,
+            snapshot(self.eager.state()),
+            [(name, snapshot(t.state())) for name, t in others if t is not None],
+            self.spec,
+        )
+        if not violations:
+            return
+        what = (
+            "a stream race while the twins were made (every twin ran the same code into it)"
+            if not twin
+            else f"the {twin} twin and the eager twin, made by the same factory with the same "
+            "seed, differ before any step: something the first did while it was made (a capture "
+            "or warm-up at start-up, for example) changed state the eager twin's construction "
+            "did not"
+        )
+        snippet = replay_snippet(
+            [], factory=self._factory, backend=self._backend_name, seed=self.twin_seed
+        )
+        message = "\n".join(
+            [
+                f"graphmode check {violations[0].check!r} failed before step 0, when the twins "
+                f"were made (seed {self.seed})",
+                violations[0].describe(),
+                what,
+                "replay it (the twins are made, no step runs) with:",
+                snippet,
+            ]
+        )
+        failure = Failure(violations[0].check, 0, message, self.twin_seed, snippet)
+        raise GraphmodeFailure(failure, self.stats)
 
     def _make(self, mode: Literal["graph", "eager"]) -> GraphTarget:
         target = self._factory(mode, seed=self.seed, backend=self._backend_name)

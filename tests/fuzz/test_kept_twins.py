@@ -11,7 +11,7 @@ import torch
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, StepResult, TargetFactory
 from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
-from pytest_graphmode.fuzz.kept_twins import FRESH_EVERY, HistoryFailure, KeptTwins
+from pytest_graphmode.fuzz.kept_twins import FRESH_EVERY, NEEDS_WEIGHTS, HistoryFailure, KeptTwins
 from pytest_graphmode.fuzz.lockstep import Lockstep
 from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
@@ -126,6 +126,7 @@ def test_a_failure_after_an_earlier_examples_weight_update_replays_that_update()
             twins.run(compile_schedule(toy.SPEC, [adapter_one], seed=0), seed=2)
     finally:
         twins.close()
+    assert caught.value.unshrunk == NEEDS_WEIGHTS  # not "needs the examples before it"
     failure = caught.value.failed.failure
     assert "started from the weights of update_weights(5)" in failure.message
     assert "Reset(" not in failure.replay_snippet

@@ -1,0 +1,91 @@
+"""The twins start identical: what a twin's construction breaks is reported before step 0, as
+its construction's doing, and its snippet makes the twins again to show it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
+from pytest_graphmode.runtime import backends
+from tests.fuzz import toy
+
+BLOCK_ONE = toy.SPEC.block_size  # the first slot of block 1, a block requests may own
+
+
+class WarmsUpIntoBlockOne(toy.ToyTarget):
+    """Graph mode runs a warm-up at construction that writes slot 4 (block 1, not the null block)."""
+
+    def __init__(self, mode: str, *, seed: int, backend: str) -> None:
+        super().__init__(mode, seed=seed, backend=backend)
+        if mode == "graph":
+            self.kv[BLOCK_ONE] += 1.0
+
+
+class WarmsUpIntoTheNullBlock(toy.ToyTarget):
+    """Graph mode's warm-up at construction writes only the null block (block 0): allowed."""
+
+    def __init__(self, mode: str, *, seed: int, backend: str) -> None:
+        super().__init__(mode, seed=seed, backend=backend)
+        if mode == "graph":
+            self.kv[: toy.SPEC.block_size] = float("nan")
+
+
+class UploadsUnordered(toy.ToyTarget):
+    """Every twin allocates a device buffer on the current stream and fills it on a side stream
+    that does not wait for the allocation's zeroing: a race the sim sees at construction."""
+
+    def __init__(self, mode: str, *, seed: int, backend: str) -> None:
+        super().__init__(mode, seed=seed, backend=backend)
+        be = backends.get(backend)
+        self.staged = torch.zeros(8, device=be.device)
+        side = be.Stream()
+        with be.stream(side):
+            self.staged.fill_(1.0)
+        be.current_stream().wait_stream(side)
+
+
+def warms_up_into_block_one(mode: str, *, seed: int, backend: str) -> toy.ToyTarget:
+    return WarmsUpIntoBlockOne(mode, seed=seed, backend=backend)
+
+
+def warms_up_into_the_null_block(mode: str, *, seed: int, backend: str) -> toy.ToyTarget:
+    return WarmsUpIntoTheNullBlock(mode, seed=seed, backend=backend)
+
+
+def uploads_unordered(mode: str, *, seed: int, backend: str) -> toy.ToyTarget:
+    return UploadsUnordered(mode, seed=seed, backend=backend)
+
+
+def _failure_of(factory: object) -> GraphmodeFailure:
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(factory, max_examples=5, max_steps=3, seed=0)  # type: ignore[arg-type]
+    return caught.value
+
+
+def test_a_state_write_at_construction_is_reported_before_step_0_as_the_graph_twins() -> None:
+    failure = _failure_of(warms_up_into_block_one).failure
+    assert failure.check == "states_match", failure.message
+    first_line = failure.message.splitlines()[0]
+    assert "failed before step 0, when the twins were made" in first_line
+    assert f"differs at slot {BLOCK_ONE} (block 1, before any request was sent)" in failure.message
+    assert "the graph twin and the eager twin" in failure.message
+    assert "shrinking skipped: the twins' construction failed" in failure.message
+    assert "events = [\n]" in failure.replay_snippet
+    with pytest.raises(GraphmodeFailure) as replayed:
+        exec(failure.replay_snippet, {})
+    assert replayed.value.failure.check == "states_match"
+    assert "when the twins were made" in replayed.value.failure.message
+
+
+def test_a_null_block_write_at_construction_is_no_failure() -> None:
+    stats = run_campaign(warms_up_into_the_null_block, max_examples=5, max_steps=3, seed=0)
+    assert stats.examples == 5 and stats.steps > 0
+
+
+def test_a_stream_race_at_construction_is_reported_before_step_0_on_sim() -> None:
+    failure = _failure_of(uploads_unordered).failure
+    assert failure.check == "no_stream_races", failure.message
+    assert "failed before step 0, when the twins were made" in failure.message
+    assert "a stream race while the twins were made" in failure.message
+    assert "fill_" in failure.message
