@@ -14,16 +14,28 @@ if TYPE_CHECKING:
     from pytest_graphmode.campaign_stats import CampaignStats
 
 
+MADE_TWINS = -1
+"""`Failure.step` of a failure found when the twins were made, before the example's first step."""
+
+
 @dataclass(frozen=True)
 class Failure:
-    """A failed check: which one, at which step of the shrunk schedule, the message a person
-    reads, the example's seed and the Python source that replays it."""
+    """A failed check: which one, at which step of the shrunk schedule (counted from 0;
+    `MADE_TWINS`: before step 0, when the twins were made), the message a person reads, the
+    example's seed and the Python source that replays it."""
 
     check: str
     step: int
     message: str
     seed: int | None
     replay_snippet: str
+
+    @property
+    def where(self) -> str:
+        """ "at step N", or "before step 0" for a failure in the twins' construction."""
+        if self.step == MADE_TWINS:
+            return "before step 0 (when the twins were made)"
+        return f"at step {self.step}"
 
     def to_json(self) -> dict[str, Any]:
         return {

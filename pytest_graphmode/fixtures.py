@@ -118,8 +118,7 @@ class GraphmodeFuzz:
             if isinstance(ended, GraphmodeFailure):
                 failure = ended.failure
                 self._config.stash[FAILED_CAMPAIGN_KEY] = (
-                    f"{label} failed check {failure.check!r} at step {failure.step} "
-                    f"(seed {failure.seed})"
+                    f"{label} failed check {failure.check!r} {failure.where} (seed {failure.seed})"
                 )
             raise
         finally:

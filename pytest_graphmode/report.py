@@ -53,8 +53,7 @@ def summary_lines(
     for failure in stats.failures:
         first_line = failure.message.splitlines()[0] if failure.message else ""
         lines.append(
-            f"  FAILED {failure.check} at step {failure.step} (example seed {failure.seed}): "
-            f"{first_line}"
+            f"  FAILED {failure.check} {failure.where} (example seed {failure.seed}): {first_line}"
         )
     if stats.failures:
         rerun = "run a failure's replay snippet to reproduce it alone"

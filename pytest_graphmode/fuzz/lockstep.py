@@ -33,7 +33,7 @@ import torch
 
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, GraphTarget, StepResult, TargetFactory, TargetSpec
-from pytest_graphmode.failure import Failure, GraphmodeFailure
+from pytest_graphmode.failure import MADE_TWINS, Failure, GraphmodeFailure
 from pytest_graphmode.fuzz import sampling_check
 from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.construction import made_twins_violations
@@ -209,7 +209,7 @@ class Lockstep:
                 snippet,
             ]
         )
-        failure = Failure(violations[0].check, 0, message, self.twin_seed, snippet)
+        failure = Failure(violations[0].check, MADE_TWINS, message, self.twin_seed, snippet)
         raise GraphmodeFailure(failure, self.stats)
 
     def _make(self, mode: Literal["graph", "eager"]) -> GraphTarget:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pytest_graphmode.failure import MADE_TWINS
 from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
 from pytest_graphmode.runtime import backends
 from tests.fuzz import toy
@@ -66,6 +67,7 @@ def _failure_of(factory: object) -> GraphmodeFailure:
 def test_a_state_write_at_construction_is_reported_before_step_0_as_the_graph_twins() -> None:
     failure = _failure_of(warms_up_into_block_one).failure
     assert failure.check == "states_match", failure.message
+    assert (failure.step, failure.where) == (MADE_TWINS, "before step 0 (when the twins were made)")
     first_line = failure.message.splitlines()[0]
     assert "failed before step 0, when the twins were made" in first_line
     assert f"differs at slot {BLOCK_ONE} (block 1, before any request was sent)" in failure.message

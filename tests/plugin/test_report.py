@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from pytest_graphmode.campaign_stats import CampaignStats, SessionSummary
-from pytest_graphmode.failure import Failure
+from pytest_graphmode.failure import MADE_TWINS, Failure
 from pytest_graphmode.report import (
     ProgressLine,
     campaign_line,
@@ -95,6 +95,17 @@ def test_summary_lines_show_paths_buckets_reasons_checks_and_failures() -> None:
         "  (run a failure's replay snippet to reproduce it alone, or --graphmode-seed=3121328572 "
         "to rerun every campaign; the example seed is the one in its snippet)",
     ]
+
+
+def test_a_failure_in_the_twins_construction_is_summarised_as_before_step_0() -> None:
+    made = Failure("states_match", MADE_TWINS, "state 'kv' differs", 4, "replay(...)")
+    summary = SessionSummary(1, campaign(failures=[made]))
+    line = next(line for line in summary_lines(summary) if "FAILED" in line)
+    assert line == (
+        "  FAILED states_match before step 0 (when the twins were made) (example seed 4): "
+        "state 'kv' differs"
+    )
+    assert Failure.from_json(made.to_json()) == made
 
 
 def test_fallback_reasons_are_grouped_by_cause_with_the_top_few_shown() -> None:
