@@ -25,6 +25,16 @@ pytestmark = pytest.mark.graphmode_cuda
 CI_EXAMPLES, CI_STEPS = PROFILES["ci"].examples, PROFILES["ci"].steps
 DETECTION_SEEDS = (0, 1, 2)
 RACES = ("staging_buffer_reused", "copy_stream_not_awaited")
+# On cuda no race checker runs: a lagging upload shows as whatever the graph twin (the only one
+# delayed) computed or wrote from stale metadata, judged against the eager twin, the unpoisoned
+# clean twin, or the KV slots the step may write; an index out of range faults the device.
+SYMPTOMS_ON_CUDA = (
+    "replay_matches_eager",
+    "padding_inert",
+    "kv_writes_confined",
+    "states_match",
+    NO_DEVICE_FAULT,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +48,7 @@ def test_the_harness_fails_a_staging_race_on_cuda_at_the_ci_profile(name: str) -
     mutant = load(name)
     failure = _first_failure(mutant)
     assert failure is not None, f"{name} passed {len(DETECTION_SEEDS)} ci-profile campaigns on cuda"
-    assert failure.check in (mutant.check, *mutant.also, NO_DEVICE_FAULT), failure.message
+    assert failure.check in SYMPTOMS_ON_CUDA, failure.message
 
 
 @pytest.mark.parametrize("target", ["runtime", "minimal"])
