@@ -32,7 +32,8 @@ class Failure:
 
     @property
     def where(self) -> str:
-        """ "at step N", or "before step 0" for a failure in the twins' construction."""
+        """Where it failed, for a message: at step N, or before step 0 (in the twins'
+        construction)."""
         if self.step == MADE_TWINS:
             return "before step 0 (when the twins were made)"
         return f"at step {self.step}"

@@ -39,7 +39,6 @@ NEEDS_WEIGHTS = (
     "shrinking skipped: the example started from weights an earlier example loaded, which the "
     "drawn example does not hold; its snippet replays that weight update first"
 )
-
 IN_CONSTRUCTION = (
     "shrinking skipped: the twins' construction failed, before any step of the example; its "
     "snippet makes the twins and runs no step"
