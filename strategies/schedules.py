@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Literal
 
 from hypothesis import strategies as st
 
@@ -71,10 +72,14 @@ def arrival_lists(spec: TargetSpec) -> st.SearchStrategy[list[Arrival]]:
     """None, a few of any length, or a crowd of short prompts: a crowd is what lets decode steps
     grow past the larger buckets (3 -> 9 -> 2 requests) within a dozen steps. A crowd's size is a
     row count, mostly next to a capture size, so the decode steps it starts are padded."""
+    return st.one_of(st.just([]), st.lists(arrivals(spec), max_size=4), crowds(spec))
+
+
+def crowds(spec: TargetSpec) -> st.SearchStrategy[list[Arrival]]:
+    """Requests with short prompts (1-3 tokens), as many as a row count."""
     short = arrivals(spec).map(lambda a: dataclasses.replace(a, prompt_len=1 + a.prompt_len % 3))
-    crowds = {n: st.lists(short, min_size=n, max_size=n) for n in range(1, spec.max_num_reqs + 1)}
-    crowd = row_counts(spec).flatmap(crowds.__getitem__)
-    return st.one_of(st.just([]), st.lists(arrivals(spec), max_size=4), crowd)
+    sized = {n: st.lists(short, min_size=n, max_size=n) for n in range(1, spec.max_num_reqs + 1)}
+    return row_counts(spec).flatmap(sized.__getitem__)
 
 
 def stresses(
@@ -113,6 +118,14 @@ def step_kinds(spec: TargetSpec) -> st.SearchStrategy[StepKind]:
     return st.one_of(st.just("decode"), st.sampled_from(others))
 
 
+def decode_kinds(spec: TargetSpec) -> st.SearchStrategy[StepKind]:
+    """The decode-shaped kinds: requests that are past their prompt, one token each or with
+    speculative drafts."""
+    if "spec_decode" in spec.features:
+        return st.sampled_from(("decode", "spec"))
+    return st.just("decode")
+
+
 @dataclass(frozen=True)
 class _PlanStrategies:
     """The strategies one step plan draws from, for one spec, swarm and `pipelined`."""
@@ -129,23 +142,45 @@ class _PlanStrategies:
     stress: st.SearchStrategy[Stress]
 
 
+Role = Literal["any", "opening", "steady"]
+"""A step's place in its schedule: `any` step of a schedule that admits requests at every step;
+with admissions switched off, the `opening` step admits a crowd of short prompts and prefills them
+whole, and every `steady` step after it is decode-shaped, admits nothing and preempts nothing."""
+
+
 @functools.lru_cache(maxsize=256)
-def _plan_strategies(spec: TargetSpec, pipelined: bool, swarm: Swarm) -> _PlanStrategies:
+def _plan_strategies(
+    spec: TargetSpec, pipelined: bool, swarm: Swarm, role: Role = "any"
+) -> _PlanStrategies:
     """Built once per spec and swarm, not once per step: Hypothesis validates every strategy
     object the first time it draws from it and works out its properties (can it be empty, are its
     values reusable) by walking it, which cost more than the draws themselves when each of a
     schedule's plans built its strategies anew. The draws are the same either way."""
     spec = swarm.spec(spec)
     largest = spec.capture_sizes[-1] if spec.capture_sizes else 1
+    kind, rows, arrived = step_kinds(spec), row_counts(spec), arrival_lists(spec)
+    chunk = st.one_of(st.integers(1, largest), st.integers(1, spec.max_num_tokens))
+    finish, preempt = (
+        st.lists(st.integers(0, 63), max_size=2),
+        st.lists(st.integers(0, 63), max_size=1),
+    )
+    if role == "opening":
+        kind, rows, arrived = st.just("prefill"), st.just(spec.max_num_reqs), crowds(spec)
+        chunk = st.just(spec.max_num_tokens)
+    elif role == "steady":
+        # A preempted request computes its prompt again, and once every request has finished a
+        # new one is admitted: both are prefills. Requests finish one at a time at most.
+        kind, arrived = decode_kinds(spec), st.just([])
+        finish, preempt = st.lists(st.integers(0, 63), max_size=1), st.just([])
     return _PlanStrategies(
-        kind=step_kinds(spec),
-        rows=row_counts(spec),
-        arrivals=arrival_lists(spec),
-        finish=st.lists(st.integers(0, 63), max_size=2),
-        preempt=st.lists(st.integers(0, 63), max_size=1),
+        kind=kind,
+        rows=rows,
+        arrivals=arrived,
+        finish=finish,
+        preempt=preempt,
         spec_k=st.integers(1, MAX_SPEC_K),
         accepted=tuple(st.integers(0, k) for k in range(MAX_SPEC_K + 1)),
-        chunk=st.one_of(st.integers(1, largest), st.integers(1, spec.max_num_tokens)),
+        chunk=chunk,
         rotate=st.integers(0, 63),
         stress=stresses(spec, pipelined, swarm),
     )
@@ -153,10 +188,15 @@ def _plan_strategies(spec: TargetSpec, pipelined: bool, swarm: Swarm) -> _PlanSt
 
 @st.composite
 def step_plans(
-    draw: st.DrawFn, spec: TargetSpec, pipelined: bool = True, swarm: Swarm = EVERYTHING
+    draw: st.DrawFn,
+    spec: TargetSpec,
+    pipelined: bool = True,
+    swarm: Swarm = EVERYTHING,
+    role: Role = "any",
 ) -> StepPlan:
-    """One step; its features and stressors are those of `spec` that `swarm` leaves on."""
-    parts = _plan_strategies(spec, pipelined, swarm)
+    """One step; its features and stressors are those of `spec` that `swarm` leaves on, its
+    kind and arrivals those of its `role`."""
+    parts = _plan_strategies(spec, pipelined, swarm, role)
     spec_k = draw(parts.spec_k)
     return StepPlan(
         kind=draw(parts.kind),
@@ -187,8 +227,16 @@ def schedules(
 def _plan_lists(
     spec: TargetSpec, pipelined: bool, max_steps: int, swarm: Swarm
 ) -> st.SearchStrategy[list[StepPlan]]:
-    """One schedule's plans under `swarm`; built once per swarm (see `_plan_strategies`)."""
-    return st.lists(step_plans(spec, pipelined, swarm), min_size=1, max_size=max_steps)
+    """One schedule's plans under `swarm`; built once per swarm (see `_plan_strategies`). With
+    admissions switched off, only the first step admits requests (`swarm.SHAPES`)."""
+    if "admissions" in swarm.shapes:
+        return st.lists(step_plans(spec, pipelined, swarm), min_size=1, max_size=max_steps)
+    steady = st.lists(step_plans(spec, pipelined, swarm, "steady"), max_size=max_steps - 1)
+    return st.tuples(step_plans(spec, pipelined, swarm, "opening"), steady).map(_first_then)
+
+
+def _first_then(parts: tuple[StepPlan, list[StepPlan]]) -> list[StepPlan]:
+    return [parts[0], *parts[1]]
 
 
 def first_pair() -> list[StepPlan]:

@@ -1,5 +1,5 @@
 """Swarm testing (Groce et al., "Swarm Testing", ISSTA 2012): each example switches a random subset
-of the stressors and batch features off.
+of the stressors, batch features and schedule shapes off.
 
 A schedule that may use everything at every step tends to mix everything: a bug that shows only
 when a feature is absent long enough (no adapters for a dozen steps, no allocator churn between two
@@ -22,6 +22,11 @@ FEATURES = ("sampling", "adapters", "spec_decode", "weight_update")
 """The spec features a swarm may switch off: each only widens what batches and stresses hold."""
 STRESSORS = ("churn", "delays", "pipelined")
 """Stressors a swarm may switch off: `delays` covers cuda sleeps and the sim's reseeded scheduler."""
+SHAPES = ("admissions",)
+"""Schedule shapes a swarm may switch off. `admissions` off: requests are admitted in the first
+step only, and every later step is decode-shaped (decode or speculative), the only shape many
+runners replay graphs for; they run any batch with a prefill in it eagerly, and with admissions at
+any step most of a schedule's steps hold one."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,7 @@ class Swarm:
 
     features: frozenset[str]
     stressors: frozenset[str]
+    shapes: frozenset[str] = frozenset(SHAPES)
 
     def spec(self, spec: TargetSpec) -> TargetSpec:
         """`spec` with the switched-off features removed: what this example's plans draw from."""
@@ -37,7 +43,7 @@ class Swarm:
         return dataclasses.replace(spec, features=spec.features - off)
 
 
-EVERYTHING = Swarm(frozenset(FEATURES), frozenset(STRESSORS))
+EVERYTHING = Swarm(frozenset(FEATURES), frozenset(STRESSORS), frozenset(SHAPES))
 
 
 @st.composite
@@ -46,9 +52,10 @@ def swarms(draw: st.DrawFn, spec: TargetSpec) -> Swarm:
     those the spec lacks are not drawn). The simplest swarm switches nothing off: an example's
     first draws are unchanged, and what shrinking simplifies are the steps themselves, whose
     simplest values use no feature and no stressor anyway."""
-    off = {name for name in (*FEATURES, *STRESSORS) if _offered(spec, name) and draw(st.booleans())}
-    return Swarm(frozenset(FEATURES) - off, frozenset(STRESSORS) - off)
+    names = (*FEATURES, *STRESSORS, *SHAPES)
+    off = {name for name in names if _offered(spec, name) and draw(st.booleans())}
+    return Swarm(frozenset(FEATURES) - off, frozenset(STRESSORS) - off, frozenset(SHAPES) - off)
 
 
 def _offered(spec: TargetSpec, name: str) -> bool:
-    return name in STRESSORS or name in spec.features
+    return name in STRESSORS or name in SHAPES or name in spec.features

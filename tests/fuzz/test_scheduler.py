@@ -157,5 +157,7 @@ def test_a_swarms_step_strategies_are_built_once_not_once_per_step():
 
     draw()
     built = schedules_module._plan_strategies.cache_info()
-    assert built.misses == schedules_module._plan_lists.cache_info().misses
+    # one set per swarm, two where admissions are off (the opening step's and the steady steps')
+    swarms_drawn = schedules_module._plan_lists.cache_info().misses
+    assert swarms_drawn <= built.misses <= 2 * swarms_drawn
     assert built.hits > 3 * built.misses  # most steps reuse their swarm's strategies
