@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 import hypothesis
 from hypothesis import strategies as st
+from hypothesis.errors import Flaky
 
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, TargetFactory, TargetSpec
@@ -224,6 +225,13 @@ def run_in_rounds(
         stats.stopped_by_time_budget = True
     except ShrinkBudgetSpent:
         raise budget.smallest_failure() from None
+    except Flaky:
+        if not budget.found:
+            raise
+        # The failing example passed when Hypothesis ran it again (to shrink it, or to replay
+        # it at the end): the failure found stands, unshrunk, rather than Hypothesis's complaint.
+        budget.not_repeated()
+        raise budget.smallest_failure() from None
     except TimeBudgetSpent:
         pass  # every example run passed: the campaign passed
 
@@ -251,6 +259,12 @@ def _after_a_leading_example(chosen: hypothesis.settings) -> hypothesis.settings
 LEADING = (
     "shrinking skipped: this is the campaign's first example, the simplest schedule with a "
     "pipelined pair, and its replay ends at the failing step"
+)
+
+NOT_REPEATED = (
+    "shrinking stopped: the failing example passed when it ran again (a failure that depends on "
+    "timing, such as a race on the GPU or a read of freed memory), so this is the smallest "
+    "failing schedule seen; its snippet may need several runs to fail"
 )
 
 
@@ -344,6 +358,11 @@ class ShrinkBudget:
             return False
         self._stats.shrink_stopped_by_budget = True
         return True
+
+    def not_repeated(self) -> None:
+        """Say in the report that shrinking stopped because the failure did not repeat."""
+        if self._unshrunk is None:
+            self._unshrunk = NOT_REPEATED
 
     def smallest_failure(self) -> Exception:
         assert self._last_failure is not None  # the budget runs only once something failed
