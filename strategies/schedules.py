@@ -231,7 +231,13 @@ def _plan_lists(
     admissions switched off, only the first step admits requests (`swarm.SHAPES`)."""
     if "admissions" in swarm.shapes:
         return st.lists(step_plans(spec, pipelined, swarm), min_size=1, max_size=max_steps)
-    steady = st.lists(step_plans(spec, pipelined, swarm, "steady"), max_size=max_steps - 1)
+    # At least one steady step where there is room: a schedule of the opening step alone would
+    # only prefill, which a runner that graphs decode steps runs eagerly.
+    steady = st.lists(
+        step_plans(spec, pipelined, swarm, "steady"),
+        min_size=min(1, max_steps - 1),
+        max_size=max_steps - 1,
+    )
     return st.tuples(step_plans(spec, pipelined, swarm, "opening"), steady).map(_first_then)
 
 

@@ -69,6 +69,7 @@ def test_without_admissions_only_the_first_step_admits_and_the_rest_decode(
     no_admissions = dataclasses.replace(data.draw(swarms(toy.SPEC)), shapes=frozenset())
     plans = data.draw(_plan_lists(toy.SPEC, True, 8, no_admissions))
     first, *later = plans
+    assert later, "a schedule of the opening step alone only prefills"
     assert (first.kind, first.chunk, first.rows) == (
         "prefill",
         toy.SPEC.max_num_tokens,
