@@ -79,7 +79,7 @@ class KeptTwins:
                     self._factory, backend=self._backend, seed=seed, stats=self._stats, kept=True
                 )
             except GraphmodeFailure as made:  # the twins do not start identical
-                self._keep = False
+                self._stop_keeping()
                 raise HistoryFailure(made, IN_CONSTRUCTION) from None
             run: list[Batch | Stress | Reset] = list(events)
         else:

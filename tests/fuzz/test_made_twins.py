@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pytest_graphmode.contract import TargetFactory
 from pytest_graphmode.failure import MADE_TWINS
 from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
 from pytest_graphmode.runtime import backends
@@ -58,9 +59,9 @@ def uploads_unordered(mode: str, *, seed: int, backend: str) -> toy.ToyTarget:
     return UploadsUnordered(mode, seed=seed, backend=backend)
 
 
-def _failure_of(factory: object) -> GraphmodeFailure:
+def _failure_of(factory: TargetFactory) -> GraphmodeFailure:
     with pytest.raises(GraphmodeFailure) as caught:
-        run_campaign(factory, max_examples=5, max_steps=3, seed=0)  # type: ignore[arg-type]
+        run_campaign(factory, max_examples=5, max_steps=3, seed=0)
     return caught.value
 
 
