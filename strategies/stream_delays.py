@@ -34,6 +34,7 @@ followed by a copy or an event record, and copies issued by C++ code that bypass
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -80,6 +81,14 @@ def delayed_streams(cycles: int) -> Iterator[None]:
 
 
 class _DelayedCopies(TorchDispatchMode):
+    # torch keeps torch.compile out of a mode's frames by wrapping `__torch_dispatch__` in a guard
+    # whose first call imports its whole compiler stack (about a second, and some 300,000 objects
+    # that every later full collection walks). Nothing can be compiling while that stack is not
+    # imported, so the guard is needed only once it is: `__torch_dispatch__` checks, per call.
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
     def __init__(self, cycles: int) -> None:
         super().__init__()
         self.cycles = cycles
@@ -91,11 +100,19 @@ class _DelayedCopies(TorchDispatchMode):
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
+        if "torch._dynamo" in sys.modules:
+            return _delay_unseen_by_compiler(self, func, args, kwargs or {})
+        return self.delay_then_run(func, args, kwargs or {})
+
+    def delay_then_run(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         device = async_copy_device(func, args, kwargs)
         if device is not None:
             _sleep_on(_current_stream(device), self.cycles)
         return func(*args, **kwargs)
+
+
+# torch's own guard, as it would have wrapped `__torch_dispatch__` (its import is lazy too).
+_delay_unseen_by_compiler = torch._disable_dynamo(_DelayedCopies.delay_then_run, recursive=True)
 
 
 @contextmanager

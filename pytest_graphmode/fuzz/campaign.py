@@ -27,6 +27,7 @@ from pytest_graphmode.contract import Batch, TargetFactory, TargetSpec
 from pytest_graphmode.failure import Failure, GraphmodeFailure
 from pytest_graphmode.fuzz.campaign_process import (
     DEFAULT_CPU_THREADS,
+    FrozenHeap,
     check_cpu_threads,
     long_lived_objects_frozen,
     torch_cpu_threads,
@@ -51,6 +52,12 @@ def target_spec(factory: TargetFactory, backend: str) -> TargetSpec:
             return probe.spec
         finally:
             probe.close()
+
+
+def _concrete(backend: str) -> str:
+    from pytest_graphmode.runtime import backends
+
+    return backends.resolve(backend)
 
 
 def campaign_spec(
@@ -142,9 +149,11 @@ def run_campaign(
     stats.shrink_budget_seconds = shrink_seconds
     budget = ShrinkBudget(stats, started, shrink_seconds, progress)
     twins = KeptTwins(factory, backend=backend, stats=stats)
+    heap = FrozenHeap()  # replaced by the campaign's own once its heap is frozen
 
     def example(plans: list[StepPlan], example_seed: int) -> None:
         budget.stop_if_spent(seconds)
+        heap.catch_up()
         events = compile_schedule(spec, plans, seed=example_seed)
         budget.leading = leading_pair and stats.examples == 0  # explicit examples run first
         stats.examples += 1
@@ -179,7 +188,7 @@ def run_campaign(
         with (
             storage_outside_the_project(),
             budget.ticking(),
-            long_lived_objects_frozen(),
+            long_lived_objects_frozen(_concrete(backend)) as heap,
             torch_cpu_threads(cpu_threads),
         ):
             run_in_rounds(hypothesis_run, budget, seconds, chosen.max_examples)

@@ -12,6 +12,7 @@ from pytest_graphmode.settings import DEFAULT_CPU_THREADS
 
 __all__ = [
     "DEFAULT_CPU_THREADS",
+    "FrozenHeap",
     "check_cpu_threads",
     "long_lived_objects_frozen",
     "torch_cpu_threads",
@@ -54,9 +55,10 @@ def torch_cpu_threads(count: int | None) -> Iterator[None]:
 
 
 @contextmanager
-def long_lived_objects_frozen() -> Iterator[None]:
+def long_lived_objects_frozen(backend: str = "sim") -> Iterator[FrozenHeap]:
     """Keep the objects that exist before the campaign (torch, Hypothesis, the runner's modules)
-    out of the cycle collector's way while it runs.
+    out of the cycle collector's way while it runs on `backend` (a concrete one: "sim" or
+    "cuda").
 
     A full collection walks every tracked object. Closing a graph memory pool on cuda needs one
     (graphs caught in reference cycles hold their memory until collected), once per twin closed,
@@ -70,15 +72,43 @@ def long_lived_objects_frozen() -> Iterator[None]:
     it (a later test's graphs, their device memory) for the rest of the process.
 
     torch imports its compiler stack (torch._dynamo, torch.fx, sympy: some 300,000 objects) the
-    first time a dispatch mode or a custom op runs, which in a campaign is one of its first steps
-    (the sim's mode, the cuda delay stressor's, a runner's own custom ops). It is imported here
-    first so that it is frozen too: imported after the freeze, every collection of the campaign
-    walked it (22 collections, 1.3 s of a 40-example cuda campaign on the H200 host).
+    first time a dispatch mode guarded against torch.compile, a custom op or a meta function
+    written in Python runs. Imported after the freeze, every collection of the campaign walks it
+    (22 collections, 1.3 s of a 40-example cuda campaign on the H200 host). The sim imports it in
+    a campaign's first step (the meta functions it runs to learn output shapes), so on sim it is
+    imported here, before the freeze. A cuda campaign of a runner that neither compiles nor runs
+    custom ops never imports it (the delay stressor's mode imports it only where it is imported
+    already), and importing it costs about a second, a fifth of a 40-example campaign on the H200
+    host: there it is left out, and `FrozenHeap.catch_up`, called between examples, freezes it
+    once something imported it.
     """
-    if "torch" in sys.modules:
+    if backend == "sim" and "torch" in sys.modules:
         import torch._dynamo  # noqa: F401
+    heap = FrozenHeap()
     gc.freeze()
     try:
-        yield
+        yield heap
     finally:
         gc.unfreeze()
+
+
+class FrozenHeap:
+    """The heap as `long_lived_objects_frozen` froze it; `catch_up` freezes what joined it since
+    that is as long-lived."""
+
+    def __init__(self) -> None:
+        self._compiler_stack = COMPILER_STACK in sys.modules
+
+    def catch_up(self) -> None:
+        """Freeze the heap again, after a full collection, the first time this is called after
+        something imported torch's compiler stack. Called between examples: what the campaign
+        holds then (the kept twins, Hypothesis's state) is frozen with it and collected only
+        once the campaign ends, after the collection has freed what it no longer holds."""
+        if self._compiler_stack or COMPILER_STACK not in sys.modules:
+            return
+        self._compiler_stack = True
+        gc.collect()
+        gc.freeze()
+
+
+COMPILER_STACK = "torch._dynamo"

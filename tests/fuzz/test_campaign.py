@@ -6,6 +6,8 @@ import gc
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import hypothesis
@@ -338,6 +340,47 @@ def test_torchs_compiler_stack_is_frozen_with_the_heap_though_torch_imports_it_l
     # campaign, where every full collection would walk its few hundred thousand objects.
     imported_before, frozen = _child_result(COMPILER_STACK)
     assert not imported_before and frozen
+
+
+CAUGHT_UP = """
+import gc, json, sys
+import torch
+from pytest_graphmode.fuzz.campaign_process import long_lived_objects_frozen
+
+with long_lived_objects_frozen("cuda") as heap:
+    left_out = "torch._dynamo" not in sys.modules
+    import torch._dynamo
+    tracked = {id(o) for o in gc.get_objects()}
+    walked_before = id(vars(torch._dynamo)) in tracked
+    heap.catch_up()
+    tracked = {id(o) for o in gc.get_objects()}
+    frozen_after = id(vars(torch._dynamo)) not in tracked
+print(json.dumps([left_out, walked_before, frozen_after]))
+"""
+
+
+def test_on_cuda_the_compiler_stack_is_left_out_and_frozen_once_something_imports_it():
+    # A cuda campaign of a runner that neither compiles nor runs custom ops never needs it.
+    left_out, walked_before, frozen_after = _child_result(CAUGHT_UP)
+    assert left_out and walked_before and frozen_after
+
+
+def test_a_campaign_catches_its_frozen_heap_up_before_every_example(monkeypatch):
+    calls: list[str] = []
+
+    class Heap:
+        def catch_up(self) -> None:
+            calls.append("catch_up")
+
+    @contextmanager
+    def frozen(backend: str) -> Iterator[Heap]:
+        calls.append(backend)
+        yield Heap()
+
+    monkeypatch.setattr(campaign_module, "long_lived_objects_frozen", frozen)
+    stats = run_campaign(toy.make_target, backend="auto", max_examples=3, seed=2)
+    concrete = "cuda" if torch.cuda.is_available() else "sim"
+    assert calls == [concrete] + ["catch_up"] * stats.examples
 
 
 @pytest.mark.parametrize(("asked", "inside"), [(1, 1), (3, 3), (None, 2)])

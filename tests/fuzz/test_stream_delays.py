@@ -7,7 +7,11 @@ to real streams is in test_stream_delays_cuda.py.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -215,3 +219,35 @@ def test_only_the_graph_twins_step_runs_in_the_delay_scope(monkeypatch):
     assert [scope for twin, scope in steps if twin == 0] == [stress]
     assert {1, 2} <= {twin for twin, _ in steps}  # the eager and clean twins stepped too
     assert all(scope is None for twin, scope in steps if twin != 0)
+
+
+UNGUARDED_UNTIL_COMPILING = """
+import json, sys
+import torch
+from pytest_graphmode.strategies import stream_delays
+
+with stream_delays.delayed_streams(5):
+    first = torch.ones(3).add_(1).tolist()
+imported = "torch._dynamo" in sys.modules
+import torch._dynamo
+
+guarded = []
+unseen = stream_delays._delay_unseen_by_compiler
+stream_delays._delay_unseen_by_compiler = lambda *args: guarded.append(1) or unseen(*args)
+with stream_delays.delayed_streams(5):
+    then = torch.ones(3).add_(2).tolist()
+print(json.dumps([imported, first, bool(guarded), then]))
+"""
+
+
+def test_the_delay_mode_imports_no_compiler_stack_and_is_guarded_once_one_is_imported():
+    # torch's guard on a mode imports torch._dynamo at its first call: about a second of a cuda
+    # campaign that compiles nothing. Once imported (something may be compiling), it guards.
+    done = subprocess.run(
+        [sys.executable, "-c", UNGUARDED_UNTIL_COMPILING],
+        cwd=Path(__file__).parents[2], capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    imported, first, guarded, then = json.loads(done.stdout.splitlines()[-1])
+    assert not imported and first == [2.0] * 3
+    assert guarded and then == [3.0] * 3
