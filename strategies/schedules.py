@@ -254,9 +254,14 @@ def first_pair() -> list[StepPlan]:
 
     It is not what `schedules` draws first because shrinking moves towards the simplest draw: were
     a pair the simplest, every shrunk schedule would keep one, and a bug of one step would be
-    reported with three."""
+    reported with three.
+
+    The pair is delayed (on cuda: its copies and event records land late, `stress.delay_cycles`;
+    nothing changes on sim), so that on the GPU the first step is still in flight when the second
+    is prepared, as the race needs."""
     single = StepPlan(kind="decode", rows=1)
-    return [single, single, dataclasses.replace(single, stress=Stress(pipelined=True))]
+    pair = Stress(pipelined=True, delay_cycles=DELAY_CYCLES)
+    return [single, single, dataclasses.replace(single, stress=pair)]
 
 
 @st.composite
