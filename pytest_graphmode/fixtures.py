@@ -20,6 +20,8 @@ from pytest_graphmode.loader import TargetError, check_target
 from pytest_graphmode.report import progress_line
 from pytest_graphmode.settings import (
     FAILED_CAMPAIGN_KEY,
+    TWINS_CHECKED_KEY,
+    GraphmodeSettings,
     hypothesis_settings,
     resolve_backend,
     settings_of,
@@ -65,7 +67,7 @@ class GraphmodeFuzz:
         seconds: float | None = None,
     ) -> CampaignStats:
         from pytest_graphmode.fuzz import run_campaign
-        from pytest_graphmode.fuzz.isolation import can_isolate, run_isolated
+        from pytest_graphmode.fuzz.isolation import isolates, run_isolated
 
         earlier = self._config.stash.get(FAILED_CAMPAIGN_KEY, None)
         if earlier is not None:
@@ -79,12 +81,14 @@ class GraphmodeFuzz:
         announce = self._failure_announcement(label, run.shrink_seconds)
         stats = CampaignStats()
         backend_name = resolve_backend(backend) if backend else run.backend
-        if run.isolate_option == "auto":
-            # A factory that cannot reach a child process (a lambda, a local function) runs here.
-            isolate = backend_name == "cuda" and can_isolate(factory)
-        else:
-            isolate = run.isolate_option == "on"
+        isolate = isolates(run.isolate_option, backend_name, factory)
         campaign: Callable[..., CampaignStats] = run_isolated if isolate else run_campaign
+        # The check `pytest_sessionstart` makes in-process for the configured target, here made
+        # by the first isolated campaign's child.
+        check_first = isolate and factory is _configured_factory(run)
+        check_first = check_first and not self._config.stash.get(TWINS_CHECKED_KEY, False)
+        if check_first:
+            campaign = functools.partial(campaign, check_twins_first=True)
         if run.ranks > 1:  # rank processes are children already
             from pytest_graphmode.fuzz.ranks import run_rank_campaign
 
@@ -115,6 +119,8 @@ class GraphmodeFuzz:
         except BaseException as ended:
             # What ran until the failure, an error or Ctrl-C belongs in the summary and report.
             summary_of(self._config).add_campaign(stats)
+            if isinstance(ended, TargetError):  # found by an isolated campaign's child
+                pytest.fail(f"--graphmode-target={run.target}: {ended}", pytrace=False)
             if isinstance(ended, GraphmodeFailure):
                 failure = ended.failure
                 self._config.stash[FAILED_CAMPAIGN_KEY] = (
@@ -123,6 +129,8 @@ class GraphmodeFuzz:
             raise
         finally:
             progress.finish()
+        if check_first:
+            self._config.stash[TWINS_CHECKED_KEY] = True
         summary_of(self._config).add_campaign(stats)
         return stats
 
@@ -216,3 +224,12 @@ def graphmode_twins(
 def graphmode_fuzz(pytestconfig: pytest.Config) -> GraphmodeFuzz:
     """Run the stock campaign against a factory you pass: `graphmode_fuzz(make_target)`."""
     return GraphmodeFuzz(pytestconfig)
+
+
+def _configured_factory(run: GraphmodeSettings) -> TargetFactory | None:
+    """The configured target's factory, or None where it cannot be imported (a run that only
+    fuzzes factories its tests pass)."""
+    try:
+        return run.factory
+    except TargetError:
+        return None

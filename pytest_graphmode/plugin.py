@@ -96,7 +96,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Reject what would fail every campaign before the first one starts: an unwritable report
     path, a target that breaks the contract or whose factory raises. Once per run: on the xdist
-    controller, not on every worker."""
+    controller, not on every worker. Where campaigns run in child processes (cuda), the twins are
+    not made here: each campaign's child checks them first, and a target that breaks the contract
+    fails that campaign's test."""
     config = session.config
     settings = settings_of(config)
     if not settings.fuzz or hasattr(config, "workerinput"):
@@ -105,7 +107,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         problem = report_path_problem(settings.report)
         if problem is not None:
             raise pytest.UsageError(f"--graphmode-report / graphmode_report: {problem}")
+    # Imported here: it imports torch, which a pytest run without --graphmode-fuzz never needs.
+    from pytest_graphmode.fuzz.isolation import isolates
+
     try:
+        if isolates(settings.isolate_option, settings.backend, settings.factory):
+            return  # the first campaign's child process checks the twins (`run_isolated`)
         check_twins(settings.factory, seed=settings.seed, backend=settings.backend)
     except TargetError as exc:
         raise pytest.UsageError(f"--graphmode-target={settings.target}: {exc}") from exc
@@ -256,16 +263,32 @@ def pytest_terminal_summary(
 
 
 def _check_descriptions() -> dict[str, str]:
-    """Every check's name -> the first sentence of its oracle's docstring, in registry order."""
-    from pytest_graphmode.fuzz import addresses, checks, kv_checks, race_check, sampling_check
-    from pytest_graphmode.fuzz.registry import CHECKS
+    """Every check's name -> the first sentence of its oracle's docstring, in registry order;
+    for the checks no oracle function judges, what they see."""
+    from pytest_graphmode.fuzz import (
+        addresses,
+        checks,
+        kv_checks,
+        race_check,
+        rank_checks,
+        sampling_check,
+    )
+    from pytest_graphmode.fuzz.registry import CHECKS, NO_DEVICE_FAULT
 
-    modules = (race_check, checks, kv_checks, addresses, sampling_check)
+    judged_elsewhere = {
+        NO_DEVICE_FAULT: "The device never faulted and the campaign's process never died (an "
+        "illegal memory access, a device-side assert, an abort), seen by the process that "
+        "started it",
+        rank_checks.RANKS_ARRIVE: "Every rank arrives at every collective the others wait in, "
+        "within the timeout",
+    }
+    modules = (race_check, checks, kv_checks, addresses, sampling_check, rank_checks)
     descriptions = {}
     for name in CHECKS:
         oracle = next((getattr(m, name) for m in modules if hasattr(m, name)), None)
         doc = " ".join((getattr(oracle, "__doc__", None) or "").split())
-        descriptions[name] = doc.split(". ")[0].rstrip(".") or "(no description)"
+        described = doc.split(". ")[0].rstrip(".") or judged_elsewhere.get(name)
+        descriptions[name] = described or "(no description)"
     return descriptions
 
 

@@ -52,9 +52,8 @@ def summary_lines(
     lines.append(f"failures: {len(stats.failures)}")
     for failure in stats.failures:
         first_line = failure.message.splitlines()[0] if failure.message else ""
-        lines.append(
-            f"  FAILED {failure.check} {failure.where} (example seed {failure.seed}): {first_line}"
-        )
+        seed = "" if failure.seed is None else f" (example seed {failure.seed})"
+        lines.append(f"  FAILED {failure.check} {failure.where}{seed}: {first_line}")
     if stats.failures:
         rerun = "run a failure's replay snippet to reproduce it alone"
         if base_seed is not None:

@@ -139,6 +139,8 @@ SUMMARY_KEY = pytest.StashKey[SessionSummary]()
 FAILED_CAMPAIGN_KEY = pytest.StashKey[str]()
 """Set by the first campaign of this process that fails: what failed, for the later ones' skip
 reason. Per process: on xdist every worker stops after its own first failure."""
+TWINS_CHECKED_KEY = pytest.StashKey[bool]()
+"""Set once an isolated campaign's child has checked the configured target's twins."""
 
 
 def settings_of(config: pytest.Config) -> GraphmodeSettings:

@@ -32,20 +32,31 @@ import hypothesis
 
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, GraphTarget, TargetFactory
-from pytest_graphmode.failure import Failure, GraphmodeFailure
+from pytest_graphmode.failure import MADE_TWINS, Failure, GraphmodeFailure
 from pytest_graphmode.fuzz.campaign_process import DEFAULT_CPU_THREADS
 from pytest_graphmode.fuzz.registry import NO_DEVICE_FAULT, is_device_fault
+from pytest_graphmode.loader import TargetError, check_twins
 from pytest_graphmode.strategies.plans import Stress
 
 SILENCE_LIMIT_SECONDS = 600.0
 """How long the child may send nothing (no step started, no example finished) before the parent
 gives up on it: a step that hangs on the device never returns."""
-_FAULT_EXIT = 70
+FAULT_EXIT = 70
+"""The exit code of a child that reported a device fault (it exits at once, without clean-up)."""
 
 
 class IsolatedCampaignError(RuntimeError):
     """The campaign raised in its child process something other than a failed check (a broken
     factory, a harness error); the message holds the child's traceback."""
+
+
+def isolates(option: str, backend: str, factory: TargetFactory) -> bool:
+    """Whether a run with `--graphmode-isolate=option` runs `factory`'s targets on the concrete
+    `backend` in child processes: "on", or "auto" on cuda for a factory that can reach a child
+    (a lambda or a local function cannot, and runs in this process)."""
+    if option == "auto":
+        return backend == "cuda" and can_isolate(factory)
+    return option == "on"
 
 
 def can_isolate(factory: TargetFactory) -> bool:
@@ -73,9 +84,13 @@ def run_isolated(
     silence_limit: float = SILENCE_LIMIT_SECONDS,
     seconds: float | None = None,
     cpu_threads: int | None = DEFAULT_CPU_THREADS,
+    check_twins_first: bool = False,
 ) -> CampaignStats:
     """`run_campaign` with the same arguments, run in a child process; a child that faults or
-    dies is a `GraphmodeFailure` of `no_device_fault`. `factory` must pickle (`can_isolate`)."""
+    dies is a `GraphmodeFailure` of `no_device_fault`. `factory` must pickle (`can_isolate`).
+    With `check_twins_first`, the child checks the twins against the contract before the
+    campaign (`loader.check_twins`, with `seed`, 0 when None) and a `TargetError` it raises is
+    raised here."""
     if not can_isolate(factory):
         raise TypeError(
             f"{factory!r} cannot be sent to a child process: an isolated campaign needs a target "
@@ -97,7 +112,9 @@ def run_isolated(
     context = multiprocessing.get_context("spawn")
     receiver, sender = context.Pipe(duplex=False)
     child = context.Process(
-        target=_child_main, args=(sender, factory, arguments), name="graphmode-campaign"
+        target=_child_main,
+        args=(sender, factory, arguments, check_twins_first),
+        name="graphmode-campaign",
     )
     started = time.perf_counter()
     child.start()
@@ -115,6 +132,8 @@ def run_isolated(
         return stats
     if kind == "failure":  # the child's statistics, already taken, list it
         raise GraphmodeFailure(Failure.from_json(payload), stats)
+    if kind == "target":
+        raise TargetError(payload)
     if kind == "error":
         raise IsolatedCampaignError(f"the campaign's child process raised:\n{payload}")
     if kind == "fault":
@@ -122,7 +141,7 @@ def run_isolated(
     elif kind == "silent":
         cause = f"the campaign's child process sent nothing for {silence_limit:g} s and was killed"
     else:
-        cause = f"the campaign's child process died ({_exit_reason(child.exitcode)})"
+        cause = f"the campaign's child process died ({exit_reason(child.exitcode)})"
     failure = _fault_failure(cause, heard, factory, backend)
     if not stats.seconds:  # the child died before it could count its time
         stats.seconds = time.perf_counter() - started
@@ -184,11 +203,14 @@ def _listen(
 def _fault_failure(cause: str, heard: _Heard, factory: TargetFactory, backend: str) -> Failure:
     from pytest_graphmode.fuzz.snippet import replay_snippet
 
-    if heard.seed is None or heard.step is None:
+    schedule: list[str] = []
+    snippet = ""
+    if heard.seed is None:  # the contract check's twins, or the target that tells the spec
+        where = "before the first example (making the targets that check the runner)"
+        step = MADE_TWINS
+    elif heard.step is None:
         where = "before the first step of an example (making or preparing the targets)"
-        step = 0
-        snippet = ""
-        schedule: list[str] = []
+        step = MADE_TWINS
     else:
         step = heard.step
         batches = [index for index, event in enumerate(heard.events) if isinstance(event, Batch)]
@@ -215,7 +237,8 @@ def _fault_failure(cause: str, heard: _Heard, factory: TargetFactory, backend: s
     return Failure(NO_DEVICE_FAULT, step, message, heard.seed, snippet)
 
 
-def _exit_reason(code: int | None) -> str:
+def exit_reason(code: int | None) -> str:
+    """How a child process ended, from its exit code: "signal SIGABRT", "exit code 70"."""
     if code is not None and code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"
@@ -224,7 +247,9 @@ def _exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _child_main(sender: Connection, factory: TargetFactory, arguments: dict[str, Any]) -> None:
+def _child_main(
+    sender: Connection, factory: TargetFactory, arguments: dict[str, Any], check_first: bool
+) -> None:
     """The child: run the campaign, telling the parent what it is doing as it goes."""
     from pytest_graphmode.fuzz.campaign import run_campaign
 
@@ -234,6 +259,14 @@ def _child_main(sender: Connection, factory: TargetFactory, arguments: dict[str,
     stats = CampaignStats()
     watch = _Watch(sender, stats, backend)
     try:
+        # The plugin's check of the twins, made here rather than in the pytest process (where
+        # `plugin.pytest_sessionstart` makes it for campaigns run in-process): making them runs
+        # the runner's code on the device, and a runner whose construction faults it poisons the
+        # CUDA context of the process that made it, which then dies when some tensor of it is
+        # freed. pytest died so (SIGABRT, no summary, no report) in two runs of three on the
+        # H200, with a runner whose capture read a staging buffer still being rewritten.
+        if check_first:
+            check_twins(factory, seed=arguments["seed"] or 0, backend=backend)
         run_campaign(
             watch.factory(factory),
             progress=lambda current: sender.send(("progress", None, current.to_json())),
@@ -244,6 +277,11 @@ def _child_main(sender: Connection, factory: TargetFactory, arguments: dict[str,
     except GraphmodeFailure as failed:
         watch.probe()
         sender.send(("failure", failed.failure.to_json(), stats.to_json()))
+    except TargetError as problem:
+        if problem.__cause__ is not None and is_device_fault(problem.__cause__):
+            watch.fault(problem.__cause__)
+        watch.probe()
+        sender.send(("target", str(problem), stats.to_json()))
     except BaseException as error:
         if is_device_fault(error):
             watch.fault(error)
@@ -281,7 +319,9 @@ class _Watch:
         self._batches = [event for event in events if isinstance(event, Batch)]
         self._step = None
         self._counted = set()
-        self._sender.send(("example", (seed, list(events)), None))
+        # With the counts so far, this example included: a fault before its first step is then
+        # reported at this example, not at the one before.
+        self._sender.send(("example", (seed, list(events)), self._stats.to_json()))
 
     def stepping(self, batch: Batch) -> None:
         step = next((i for i, known in enumerate(self._batches) if known is batch), None)
@@ -308,7 +348,7 @@ class _Watch:
         text = "".join(traceback.format_exception(error)).rstrip()
         self._sender.send(("fault", text, self._stats.to_json()))
         self._sender.close()
-        os._exit(_FAULT_EXIT)  # no clean-up: it would touch the poisoned context again
+        os._exit(FAULT_EXIT)  # no clean-up: it would touch the poisoned context again
 
 
 class _WatchedTarget:

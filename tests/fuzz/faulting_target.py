@@ -69,3 +69,31 @@ class _FaultSurfacingLate(_Faulting):
 
 def make_late_fault_target(mode: str, *, seed: int, backend: str) -> ToyTarget:
     return _FaultSurfacingLate(mode, seed=seed, backend=backend)
+
+
+class _AbortingWhenMade(ToyTarget):
+    """Its graph twin aborts the process while it is made, as a capture that faults the device
+    does (for the check the plugin makes of the twins before any campaign)."""
+
+    def __init__(self, mode: str, *, seed: int, backend: str) -> None:
+        if mode == "graph":
+            os.abort()
+        super().__init__(mode, seed=seed, backend=backend)
+
+    def state(self) -> Mapping[str, torch.Tensor]:
+        return {"kv": self.kv}
+
+
+def make_aborting_when_made(mode: str, *, seed: int, backend: str) -> ToyTarget:
+    return _AbortingWhenMade(mode, seed=seed, backend=backend)
+
+
+class _FaultingWhenMade(_AbortingWhenMade):
+    def __init__(self, mode: str, *, seed: int, backend: str) -> None:
+        if mode == "graph":
+            raise torch.AcceleratorError("CUDA error: device-side assert triggered")
+        super().__init__(mode, seed=seed, backend=backend)
+
+
+def make_faulting_when_made(mode: str, *, seed: int, backend: str) -> ToyTarget:
+    return _FaultingWhenMade(mode, seed=seed, backend=backend)

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from pytest_graphmode.contract import Batch
+from pytest_graphmode.failure import MADE_TWINS
 from pytest_graphmode.fuzz import CampaignStats, GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.isolation import NO_DEVICE_FAULT, can_isolate, run_isolated
+from pytest_graphmode.loader import TargetError
 from tests.fuzz import faulting_target, toy
 
 
@@ -111,3 +113,26 @@ def test_a_fault_surfacing_outside_a_step_is_announced_as_no_device_fault() -> N
             progress=lambda stats: seen.append(stats.first_failure_check),
         )
     assert seen[-1] == NO_DEVICE_FAULT
+
+
+def test_the_child_checks_the_twins_first_and_raises_the_contract_problem() -> None:
+    # The toy's state() holds its output weights too, which are not slot-major.
+    with pytest.raises(TargetError, match="state\\(\\) disagrees with its spec"):
+        run_isolated(toy.make_target, max_examples=2, seed=0, check_twins_first=True)
+
+
+@pytest.mark.parametrize(
+    ("factory", "cause"),
+    [
+        (faulting_target.make_aborting_when_made, "child process died (signal SIGABRT)"),
+        (faulting_target.make_faulting_when_made, "the device faulted"),
+    ],
+)
+def test_twins_that_fault_while_made_end_the_child_not_this_process(
+    factory: object, cause: str
+) -> None:
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_isolated(factory, max_examples=2, seed=0, check_twins_first=True)  # type: ignore[arg-type]
+    failure = caught.value.failure
+    assert (failure.check, failure.step) == (NO_DEVICE_FAULT, MADE_TWINS)
+    assert cause in failure.message and "before the first example" in failure.message

@@ -82,6 +82,18 @@ def fault_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     )
 
 
+@pytest.fixture(scope="module")
+def fault_when_made_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return run_suite(
+        tmp_path_factory,
+        "tests.fuzz.faulting_target:make_aborting_when_made",
+        "--graphmode-isolate=on",
+        "--graphmode-seed=3",
+        "--graphmode-examples=5",
+        "--graphmode-steps=4",
+    )
+
+
 def test_the_mutants_failure_is_announced_reported_and_summarised(mutant_run: Run) -> None:
     assert mutant_run.ret == pytest.ExitCode.TESTS_FAILED
     check = buffer_rebound.EXPECTED_CHECK
@@ -148,3 +160,32 @@ def test_an_aborting_runner_is_a_named_failure_and_the_session_goes_on(fault_run
     [failure] = fault_run.report["failures"]  # type: ignore[misc]
     assert failure["check"] == "no_device_fault"
     assert fault_run.report["first_failure_check"] == "no_device_fault"
+
+
+def test_twins_that_abort_while_made_are_made_in_a_child_only(
+    fault_when_made_run: Run,
+) -> None:
+    # Made in this process (the check before the first campaign, the contract test), they would
+    # end the session: on a GPU a capture that faults poisons the process's context. The
+    # campaign's child checks them first, and dies.
+    assert fault_when_made_run.ret == pytest.ExitCode.TESTS_FAILED
+    fault_when_made_run.lines.fnmatch_lines(
+        [
+            "graphmode check 'no_device_fault' failed before the first example (making the "
+            "targets that check the runner)",
+            "the campaign's child process died (signal SIGABRT)",
+        ]
+    )
+    fault_when_made_run.lines.fnmatch_lines(
+        [
+            # no example seed: no example had started
+            "  FAILED no_device_fault before step 0 (when the twins were made): graphmode check*",
+            "first failure: no_device_fault at example 0 after *",
+            "  no_device_fault: The device never faulted and the campaign's process never died*",
+        ]
+    )
+    fault_when_made_run.lines.fnmatch_lines(
+        ["SKIPPED * the campaign's child process checks the twins before it fuzzes them*"]
+    )
+    [failure] = fault_when_made_run.report["failures"]  # type: ignore[misc]
+    assert failure["check"] == "no_device_fault"
