@@ -85,7 +85,7 @@ class GraphmodeFuzz:
         campaign: Callable[..., CampaignStats] = run_isolated if isolate else run_campaign
         # The check `pytest_sessionstart` makes in-process for the configured target, here made
         # by the first isolated campaign's child.
-        check_first = isolate and factory is _configured_factory(run)
+        check_first = isolate and run.ranks == 1 and factory is _configured_factory(run)
         check_first = check_first and not self._config.stash.get(TWINS_CHECKED_KEY, False)
         if check_first:
             campaign = functools.partial(campaign, check_twins_first=True)

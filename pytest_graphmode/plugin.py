@@ -111,7 +111,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from pytest_graphmode.fuzz.isolation import isolates
 
     try:
-        if isolates(settings.isolate_option, settings.backend, settings.factory):
+        isolated = isolates(settings.isolate_option, settings.backend, settings.factory)
+        if isolated and settings.ranks == 1:
             return  # the first campaign's child process checks the twins (`run_isolated`)
         check_twins(settings.factory, seed=settings.seed, backend=settings.backend)
     except TargetError as exc:

@@ -41,8 +41,7 @@ from pytest_graphmode.strategies.plans import Stress
 SILENCE_LIMIT_SECONDS = 600.0
 """How long the child may send nothing (no step started, no example finished) before the parent
 gives up on it: a step that hangs on the device never returns."""
-FAULT_EXIT = 70
-"""The exit code of a child that reported a device fault (it exits at once, without clean-up)."""
+_FAULT_EXIT = 70
 
 
 class IsolatedCampaignError(RuntimeError):
@@ -141,7 +140,7 @@ def run_isolated(
     elif kind == "silent":
         cause = f"the campaign's child process sent nothing for {silence_limit:g} s and was killed"
     else:
-        cause = f"the campaign's child process died ({exit_reason(child.exitcode)})"
+        cause = f"the campaign's child process died ({_exit_reason(child.exitcode)})"
     failure = _fault_failure(cause, heard, factory, backend)
     if not stats.seconds:  # the child died before it could count its time
         stats.seconds = time.perf_counter() - started
@@ -237,8 +236,7 @@ def _fault_failure(cause: str, heard: _Heard, factory: TargetFactory, backend: s
     return Failure(NO_DEVICE_FAULT, step, message, heard.seed, snippet)
 
 
-def exit_reason(code: int | None) -> str:
-    """How a child process ended, from its exit code: "signal SIGABRT", "exit code 70"."""
+def _exit_reason(code: int | None) -> str:
     if code is not None and code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"
@@ -348,7 +346,7 @@ class _Watch:
         text = "".join(traceback.format_exception(error)).rstrip()
         self._sender.send(("fault", text, self._stats.to_json()))
         self._sender.close()
-        os._exit(FAULT_EXIT)  # no clean-up: it would touch the poisoned context again
+        os._exit(_FAULT_EXIT)  # no clean-up: it would touch the poisoned context again
 
 
 class _WatchedTarget:
