@@ -12,10 +12,12 @@ A failure found on kept twins is run again alone, on fresh twins, after the weig
 started from if there was one. When it fails there too without such an update, that is the
 failure reported and shrunk: its snippet replays the example alone. When it fails only after the
 update, it is reported at once, unshrunk (Hypothesis knows nothing of the update), with a snippet
-that replays the update and the example. When it does not fail alone, the failure needed the
-twins' history: it is reported at once, its snippet replays every example since the twins were
-made (each after a `Reset`), and it is not shrunk, since Hypothesis shrinks one example and this
-one passes alone. Either way the rest of the campaign (shrinking) runs on fresh twins, where an
+that replays the update and the example. When it does not fail alone, every example since the
+twins were made is run again on fresh twins (each after a `Reset`): when that fails, the failure
+needed the twins' history; when it passes too, the failure did not repeat (timing: the order in
+which streams and the host ran, or what freed memory held), which the report says. Either is
+reported at once with a snippet that replays those examples, not shrunk, since Hypothesis shrinks
+one example and this one passes alone. Either way the rest of the campaign (shrinking) runs on fresh twins, where an
 example's outcome depends on that example alone.
 """
 
@@ -38,6 +40,10 @@ NEEDS_HISTORY = "shrinking skipped: the failure needs the examples before it on 
 NEEDS_WEIGHTS = (
     "shrinking skipped: the example started from weights an earlier example loaded, which the "
     "drawn example does not hold; its snippet replays that weight update first"
+)
+NOT_REPEATED_ON_FRESH_TWINS = (
+    "shrinking skipped: the failure repeated neither alone nor after the examples before it, on "
+    "fresh twins"
 )
 IN_CONSTRUCTION = (
     "shrinking skipped: the twins' construction failed, before any step of the example; its "
@@ -101,7 +107,7 @@ class KeptTwins:
         # example, on fresh twins, raise it plainly.
         self._stop_keeping()
         if kept.examples > 1:
-            self._confirm(found, events, seed, kept.examples, weights)
+            self._confirm(found, events, seed, kept, weights)
         raise found
 
     def close(self) -> None:
@@ -126,11 +132,14 @@ class KeptTwins:
         found: GraphmodeFailure,
         events: Sequence[Batch | Stress],
         seed: int,
-        examples: int,
+        kept: Lockstep,
         weights: int | None,
     ) -> None:
         """Run the failing example again alone on fresh twins, after the weight update it started
-        from (if any); raise what that tells."""
+        from (if any); raise what that tells. When it passes alone, run every example since the
+        kept twins were made again, on fresh twins: a failure that repeats there needed the
+        twins' history, one that does not came from timing."""
+        examples = kept.examples
         updated = [] if weights is None else [Stress(weight_seed=weights)]
         alone = self._failure_alone([*updated, *events], seed)
         if alone is not None and not updated:
@@ -144,13 +153,46 @@ class KeptTwins:
             )
             failure = dataclasses.replace(alone.failure, message=alone.failure.message + note)
             raise HistoryFailure(GraphmodeFailure(failure, self._stats), NEEDS_WEIGHTS) from found
+        if self._history_repeats(kept.replayed(events), kept.twin_seed):
+            note = (
+                f"\nthis failure needed the twins' history: the failing example passes alone on "
+                f"fresh twins, and fails again after the examples before it. It was example "
+                f"{examples} run on the same twins; the snippet above replays all {examples} (a "
+                "Reset starts each, restoring the twins' state())"
+            )
+            failure = dataclasses.replace(found.failure, message=found.failure.message + note)
+            raise HistoryFailure(GraphmodeFailure(failure, self._stats)) from found
         note = (
-            f"\nthis failure needed the twins' history: the failing example passes alone on fresh "
-            f"twins. It was example {examples} run on the same twins; the snippet above replays "
-            f"all {examples} (a Reset starts each, restoring the twins' state())"
+            f"\nthis failure did not repeat: the failing example passes alone on fresh twins, and "
+            f"so do all {examples} examples run on these twins, replayed on fresh twins. It "
+            "depends on timing (the order in which streams and the host ran) or on what freed "
+            "memory held, which a replay need not reproduce; the snippet above replays all "
+            f"{examples} (a Reset starts each)"
         )
         failure = dataclasses.replace(found.failure, message=found.failure.message + note)
-        raise HistoryFailure(GraphmodeFailure(failure, self._stats)) from found
+        raise HistoryFailure(
+            GraphmodeFailure(failure, self._stats), NOT_REPEATED_ON_FRESH_TWINS
+        ) from found
+
+    def _history_repeats(self, history: Sequence[Batch | Stress | Reset], twin_seed: int) -> bool:
+        """Whether `history` (examples separated by `Reset` events) fails on fresh kept twins."""
+        try:
+            lockstep = Lockstep(
+                self._factory,
+                backend=self._backend,
+                seed=twin_seed,
+                stats=CampaignStats(examples=1),
+                kept=True,
+            )
+        except GraphmodeFailure:  # a failure all the same, if not the same one
+            return True
+        try:
+            lockstep.run(history)
+        except GraphmodeFailure:
+            return True
+        finally:
+            lockstep.close()
+        return False
 
     def _failure_alone(
         self, events: Sequence[Batch | Stress], seed: int

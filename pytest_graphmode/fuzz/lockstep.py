@@ -263,6 +263,11 @@ class Lockstep:
         self._run_example(example)
         self._history += example
 
+    def replayed(self, events: Sequence[Batch | Stress]) -> list[Event]:
+        """What replays `events`, the example now running, on fresh twins made as these were:
+        every example run on these twins before it, each after its `Reset`, then `events`."""
+        return [*self._history, *events]
+
     def _run_example(self, events: Sequence[Batch | Stress]) -> None:
         """Run one example's `events` and check every step. A step whose stress is `pipelined`
         forms a pair with the step before it, unless that one is already the second of a pair:
@@ -513,7 +518,7 @@ class Lockstep:
         pair: int | None = None,
     ) -> None:
         snippet = replay_snippet(
-            [*self._history, *events],
+            self.replayed(events),
             factory=self._factory,
             backend=self._backend_name,
             seed=self.twin_seed,

@@ -158,6 +158,43 @@ def test_a_failure_that_needs_the_twins_history_replays_from_its_snippet() -> No
     )
 
 
+class DriftsOnce(toy.ToyTarget):
+    """Graph mode drifts at one step of the whole process, the `at`-th step of a graph-mode
+    target: a failure that repeats neither alone nor after the same examples, as a race that
+    the GPU showed once does not."""
+
+    steps = 0
+    at = 12
+
+    def step(self, batch: Batch) -> StepResult:
+        result = super().step(batch)
+        if self.mode != "graph":
+            return result
+        DriftsOnce.steps += 1
+        if DriftsOnce.steps != DriftsOnce.at:
+            return result
+        return StepResult(result.logits * 1.01, result.next_tokens, result.path, result.graph_key)
+
+
+def drifts_once(mode: str, *, seed: int, backend: str) -> DriftsOnce:
+    return DriftsOnce(mode, seed=seed, backend=backend)
+
+
+def test_a_failure_on_kept_twins_that_does_not_repeat_says_so() -> None:
+    DriftsOnce.steps = 0
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(
+            drifts_once, max_examples=FRESH_EVERY, max_steps=4, seed=0, features=NO_WEIGHT_UPDATES
+        )
+    failure, stats = caught.value.failure, caught.value.stats
+    assert stats is not None and stats.first_failure_example is not None
+    assert stats.first_failure_example > 1  # found on kept twins
+    assert "this failure did not repeat" in failure.message, failure.message
+    assert "needed the twins' history" not in failure.message
+    assert "shrinking skipped: the failure repeated neither alone nor after" in failure.message
+    assert "Reset(seed=" in failure.replay_snippet
+
+
 def test_a_failure_found_on_kept_twins_that_fails_alone_replays_alone() -> None:
     on_kept_twins = 0
     for seed in range(4):  # a seed does not pin Hypothesis's draws: a few, for one late failure
