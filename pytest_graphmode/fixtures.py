@@ -139,6 +139,8 @@ class GraphmodeFuzz:
     ) -> Callable[[CampaignStats], None]:
         """A callback printing one line as soon as the campaign's first failure is found: shrinking
         it can take a while, and the person waiting should know what is coming."""
+        from pytest_graphmode.fuzz.registry import NO_DEVICE_FAULT
+
         reporter = self._config.pluginmanager.get_plugin("terminalreporter")
         capture = self._config.pluginmanager.get_plugin("capturemanager")
         announced = False
@@ -148,11 +150,12 @@ class GraphmodeFuzz:
             if announced or stats.first_failure_check is None or reporter is None:
                 return
             announced = True
-            then = (
-                f"shrinking for up to {shrink_seconds:g} s"
-                if shrink_seconds > 0
-                else "reporting it unshrunk"
-            )
+            if stats.first_failure_check == NO_DEVICE_FAULT:
+                then = "not shrunk: a faulted device fails every later input"
+            elif shrink_seconds > 0:
+                then = f"shrinking for up to {shrink_seconds:g} s"
+            else:
+                then = "reporting it unshrunk"
             line = (
                 f"graphmode {label}: check {stats.first_failure_check!r} failed at example "
                 f"{stats.first_failure_example} after {stats.first_failure_seconds or 0.0:.1f} s; "

@@ -11,6 +11,7 @@ import pytest
 from pytest_graphmode.contract import TargetFactory
 from pytest_graphmode.fixtures import GraphmodeFuzz
 from pytest_graphmode.fuzz.isolation import isolates
+from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.settings import settings_of
 
 pytestmark = pytest.mark.graphmode_fuzz
@@ -20,7 +21,12 @@ pytestmark = pytest.mark.graphmode_fuzz
 PINNED_SCHEDULER_SEEDS = (0, 1)
 
 
-def test_target_follows_contract(request: pytest.FixtureRequest) -> None:
+def test_target_follows_contract(
+    request: pytest.FixtureRequest, graphmode_backend: Backend
+) -> None:
+    # `graphmode_backend` is asked for here, not only through `graphmode_twins` below: a session
+    # fixture asked for in the body starts during the test, which then leaves torch routed
+    # through the sim for the rest of the session, as it was not when the test began.
     settings = settings_of(request.config)
     isolated = isolates(settings.isolate_option, settings.backend, settings.factory)
     if isolated and settings.ranks == 1:

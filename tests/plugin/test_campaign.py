@@ -316,3 +316,18 @@ def test_backend_fixture_is_the_configured_backend(pytester: pytest.Pytester) ->
         "def test_sim(graphmode_backend):\n    assert graphmode_backend.name == 'sim'\n"
     )
     pytester.runpytest("--graphmode-backend=sim").assert_outcomes(passed=1)
+
+
+def test_the_builtin_suite_passes_from_the_repository_root_as_make_fuzz_runs_it() -> None:
+    # The root conftest.py fails a test that leaves the sim routing torch: the suite's tests must
+    # start every session fixture they use before they begin (the README's `make fuzz`).
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly",
+            "--graphmode-fuzz-only", *SMALL, "--graphmode-seed=1",
+            "--pyargs", "pytest_graphmode._builtin.suite",
+        ],
+        cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == pytest.ExitCode.OK, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "4 passed" in done.stdout
