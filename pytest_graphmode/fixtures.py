@@ -123,8 +123,9 @@ class GraphmodeFuzz:
                 pytest.fail(f"--graphmode-target={run.target}: {ended}", pytrace=False)
             if isinstance(ended, GraphmodeFailure):
                 failure = ended.failure
+                seeded = "" if failure.seed is None else f" (seed {failure.seed})"
                 self._config.stash[FAILED_CAMPAIGN_KEY] = (
-                    f"{label} failed check {failure.check!r} {failure.where} (seed {failure.seed})"
+                    f"{label} failed check {failure.check!r} {failure.where}{seeded}"
                 )
             raise
         finally:

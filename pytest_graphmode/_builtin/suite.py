@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 
 from pytest_graphmode.contract import TargetFactory
-from pytest_graphmode.fixtures import GraphmodeFuzz
+from pytest_graphmode.fixtures import GraphmodeFuzz, Twins
 from pytest_graphmode.fuzz.isolation import isolates
-from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.settings import settings_of
 
 pytestmark = pytest.mark.graphmode_fuzz
@@ -21,20 +20,20 @@ pytestmark = pytest.mark.graphmode_fuzz
 PINNED_SCHEDULER_SEEDS = (0, 1)
 
 
-def test_target_follows_contract(
-    request: pytest.FixtureRequest, graphmode_backend: Backend
-) -> None:
-    # `graphmode_backend` is asked for here, not only through `graphmode_twins` below: a session
-    # fixture asked for in the body starts during the test, which then leaves torch routed
-    # through the sim for the rest of the session, as it was not when the test began.
-    settings = settings_of(request.config)
+def _runs_in_child_processes(config: pytest.Config) -> bool:
+    settings = settings_of(config)
     isolated = isolates(settings.isolate_option, settings.backend, settings.factory)
-    if isolated and settings.ranks == 1:
-        pytest.skip(
-            "the campaign's child process checks the twins before it fuzzes them: made here, "
-            "a runner that faults the device would end this process"
-        )
-    graphmode_twins = request.getfixturevalue("graphmode_twins")
+    return isolated and settings.ranks == 1
+
+
+# A condition evaluated before the test's fixtures start: on cuda, making the twins here would run
+# the runner's code on the device in this process.
+@pytest.mark.skipif(
+    "_runs_in_child_processes(config)",
+    reason="the campaign's child process checks the twins before it fuzzes them: made here, a "
+    "runner that faults the device would end this process",
+)
+def test_target_follows_contract(graphmode_twins: Twins) -> None:
     assert graphmode_twins.graph.spec == graphmode_twins.eager.spec, (
         "a graph and an eager target made with the same seed must describe the same runner: "
         f"{graphmode_twins.graph.spec} != {graphmode_twins.eager.spec}"
