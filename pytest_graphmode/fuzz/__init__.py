@@ -17,8 +17,10 @@ Public API (stable; the pytest plugin is built on it):
   `seconds` is a time budget: no example starts once it is spent, and the campaign then passes
   (a failure found before is still shrunk and raised). `cpu_threads` sets torch's intra-op CPU
   threads while it runs (None: as they are; `campaign_process.py` says why 1).
-- `isolation.run_isolated(...)`: the same campaign in a child process; a device fault or a dead
-  child is a failure of `no_device_fault` (docs/ci.md, "Device faults").
+- `isolation.run_isolated(..., check_twins_first=False)`: the same campaign in a child process; a
+  device fault or a dead child is a failure of `no_device_fault` (docs/ci.md, "Device faults");
+  with `check_twins_first`, the child checks the twins against the contract first (the check the
+  plugin makes before its first campaign) and its `TargetError` is raised here.
 - `replay(batches, *, factory, backend="sim", seed=0) -> CampaignStats`: re-run a concrete
   schedule (a list of `Batch`, optionally with `Stress` events, and `Reset` events that start the
   next example on the same twins) with every check; a failure's `replay_snippet` is such a call.

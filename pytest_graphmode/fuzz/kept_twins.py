@@ -17,8 +17,8 @@ twins were made is run again on fresh twins (each after a `Reset`): when that fa
 needed the twins' history; when it passes too, the failure did not repeat (timing: the order in
 which streams and the host ran, or what freed memory held), which the report says. Either is
 reported at once with a snippet that replays those examples, not shrunk, since Hypothesis shrinks
-one example and this one passes alone. Either way the rest of the campaign (shrinking) runs on fresh twins, where an
-example's outcome depends on that example alone.
+one example and this one passes alone. Either way the rest of the campaign (shrinking) runs on
+fresh twins, where an example's outcome depends on that example alone.
 """
 
 from __future__ import annotations

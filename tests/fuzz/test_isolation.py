@@ -8,7 +8,7 @@ from functools import partial
 import pytest
 import torch
 
-from pytest_graphmode.contract import Batch
+from pytest_graphmode.contract import Batch, TargetFactory
 from pytest_graphmode.failure import MADE_TWINS
 from pytest_graphmode.fuzz import CampaignStats, GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.isolation import NO_DEVICE_FAULT, can_isolate, run_isolated
@@ -129,10 +129,10 @@ def test_the_child_checks_the_twins_first_and_raises_the_contract_problem() -> N
     ],
 )
 def test_twins_that_fault_while_made_end_the_child_not_this_process(
-    factory: object, cause: str
+    factory: TargetFactory, cause: str
 ) -> None:
     with pytest.raises(GraphmodeFailure) as caught:
-        run_isolated(factory, max_examples=2, seed=0, check_twins_first=True)  # type: ignore[arg-type]
+        run_isolated(factory, max_examples=2, seed=0, check_twins_first=True)
     failure = caught.value.failure
     assert (failure.check, failure.step) == (NO_DEVICE_FAULT, MADE_TWINS)
     assert cause in failure.message and "before the first example" in failure.message
