@@ -83,9 +83,9 @@ class GraphmodeFuzz:
         backend_name = resolve_backend(backend) if backend else run.backend
         isolate = isolates(run.isolate_option, backend_name, factory)
         campaign: Callable[..., CampaignStats] = run_isolated if isolate else run_campaign
-        # The check `pytest_sessionstart` makes in-process for the configured target, here made
-        # by the first isolated campaign's child.
-        check_first = isolate and run.ranks == 1 and factory is _configured_factory(run)
+        # The check `pytest_sessionstart` left to the first isolated campaign's child.
+        check_first = isolate and factory is _configured_factory(run)
+        check_first = check_first and twins_checked_in_child(run)
         check_first = check_first and not self._config.stash.get(TWINS_CHECKED_KEY, False)
         if check_first:
             campaign = functools.partial(campaign, check_twins_first=True)
@@ -228,6 +228,16 @@ def graphmode_twins(
 def graphmode_fuzz(pytestconfig: pytest.Config) -> GraphmodeFuzz:
     """Run the stock campaign against a factory you pass: `graphmode_fuzz(make_target)`."""
     return GraphmodeFuzz(pytestconfig)
+
+
+def twins_checked_in_child(run: GraphmodeSettings) -> bool:
+    """Whether the configured target's twins are checked by the first campaign's child process
+    rather than in this one (campaigns run in child processes, one rank): made here, a runner
+    whose construction faults the device would end the pytest process. Raises `TargetError`
+    where the target cannot be imported."""
+    from pytest_graphmode.fuzz.isolation import isolates
+
+    return run.ranks == 1 and isolates(run.isolate_option, run.backend, run.factory)
 
 
 def _configured_factory(run: GraphmodeSettings) -> TargetFactory | None:

@@ -107,13 +107,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         problem = report_path_problem(settings.report)
         if problem is not None:
             raise pytest.UsageError(f"--graphmode-report / graphmode_report: {problem}")
-    # Imported here: it imports torch, which a pytest run without --graphmode-fuzz never needs.
-    from pytest_graphmode.fuzz.isolation import isolates
-
     try:
-        isolated = isolates(settings.isolate_option, settings.backend, settings.factory)
-        if isolated and settings.ranks == 1:
-            return  # the first campaign's child process checks the twins (`run_isolated`)
+        if fixtures.twins_checked_in_child(settings):
+            return  # the first campaign's child process checks them (`run_isolated`)
         check_twins(settings.factory, seed=settings.seed, backend=settings.backend)
     except TargetError as exc:
         raise pytest.UsageError(f"--graphmode-target={settings.target}: {exc}") from exc

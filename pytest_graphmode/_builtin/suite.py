@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_graphmode.contract import TargetFactory
-from pytest_graphmode.fixtures import GraphmodeFuzz, Twins
-from pytest_graphmode.fuzz.isolation import isolates
+from pytest_graphmode.fixtures import GraphmodeFuzz, Twins, twins_checked_in_child
 from pytest_graphmode.settings import settings_of
 
 pytestmark = pytest.mark.graphmode_fuzz
@@ -21,9 +20,7 @@ PINNED_SCHEDULER_SEEDS = (0, 1)
 
 
 def _runs_in_child_processes(config: pytest.Config) -> bool:
-    settings = settings_of(config)
-    isolated = isolates(settings.isolate_option, settings.backend, settings.factory)
-    return isolated and settings.ranks == 1
+    return twins_checked_in_child(settings_of(config))
 
 
 # A condition evaluated before the test's fixtures start: on cuda, making the twins here would run

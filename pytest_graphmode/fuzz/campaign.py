@@ -34,7 +34,7 @@ from pytest_graphmode.fuzz.campaign_process import (
 )
 from pytest_graphmode.fuzz.kept_twins import HistoryFailure, KeptTwins
 from pytest_graphmode.fuzz.registry import NO_DEVICE_FAULT, is_device_fault
-from pytest_graphmode.settings import hypothesis_settings
+from pytest_graphmode.settings import hypothesis_settings, resolve_backend
 from pytest_graphmode.strategies.plans import StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
 from pytest_graphmode.strategies.schedules import first_pair, schedules
@@ -52,12 +52,6 @@ def target_spec(factory: TargetFactory, backend: str) -> TargetSpec:
             return probe.spec
         finally:
             probe.close()
-
-
-def _concrete(backend: str) -> str:
-    from pytest_graphmode.runtime import backends
-
-    return backends.resolve(backend)
 
 
 def campaign_spec(
@@ -188,7 +182,7 @@ def run_campaign(
         with (
             storage_outside_the_project(),
             budget.ticking(),
-            long_lived_objects_frozen(_concrete(backend)) as heap,
+            long_lived_objects_frozen(resolve_backend(backend)) as heap,
             torch_cpu_threads(cpu_threads),
         ):
             run_in_rounds(hypothesis_run, budget, seconds, chosen.max_examples)

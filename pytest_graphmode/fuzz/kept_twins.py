@@ -120,8 +120,14 @@ class KeptTwins:
         self._keep = False
         self.close()
 
-    def _alone(self, events: Sequence[Batch | Stress], seed: int, stats: CampaignStats) -> None:
-        lockstep = Lockstep(self._factory, backend=self._backend, seed=seed, stats=stats)
+    def _alone(
+        self,
+        events: Sequence[Batch | Stress | Reset],
+        seed: int,
+        stats: CampaignStats,
+        kept: bool = False,
+    ) -> None:
+        lockstep = Lockstep(self._factory, backend=self._backend, seed=seed, stats=stats, kept=kept)
         try:
             lockstep.run(events)
         finally:
@@ -151,17 +157,17 @@ class KeptTwins:
                 "an earlier example on the same twins: the snippet above replays that update, "
                 "then the example"
             )
-            failure = dataclasses.replace(alone.failure, message=alone.failure.message + note)
-            raise HistoryFailure(GraphmodeFailure(failure, self._stats), NEEDS_WEIGHTS) from found
-        if self._history_repeats(kept.replayed(events), kept.twin_seed):
+            raise self._noted(alone, note, NEEDS_WEIGHTS) from found
+        # Every example run on these twins, made and run again as they were (a failure while
+        # they are made counts: something failed all the same).
+        if self._failure_alone(kept.replayed(events), kept.twin_seed, kept=True) is not None:
             note = (
                 f"\nthis failure needed the twins' history: the failing example passes alone on "
                 f"fresh twins, and fails again after the examples before it. It was example "
                 f"{examples} run on the same twins; the snippet above replays all {examples} (a "
                 "Reset starts each, restoring the twins' state())"
             )
-            failure = dataclasses.replace(found.failure, message=found.failure.message + note)
-            raise HistoryFailure(GraphmodeFailure(failure, self._stats)) from found
+            raise self._noted(found, note, NEEDS_HISTORY) from found
         note = (
             f"\nthis failure did not repeat: the failing example passes alone on fresh twins, and "
             f"so do all {examples} examples run on these twins, replayed on fresh twins. It "
@@ -169,37 +175,21 @@ class KeptTwins:
             "memory held, which a replay need not reproduce; the snippet above replays all "
             f"{examples} (a Reset starts each)"
         )
-        failure = dataclasses.replace(found.failure, message=found.failure.message + note)
-        raise HistoryFailure(
-            GraphmodeFailure(failure, self._stats), NOT_REPEATED_ON_FRESH_TWINS
-        ) from found
+        raise self._noted(found, note, NOT_REPEATED_ON_FRESH_TWINS) from found
 
-    def _history_repeats(self, history: Sequence[Batch | Stress | Reset], twin_seed: int) -> bool:
-        """Whether `history` (examples separated by `Reset` events) fails on fresh kept twins."""
-        try:
-            lockstep = Lockstep(
-                self._factory,
-                backend=self._backend,
-                seed=twin_seed,
-                stats=CampaignStats(examples=1),
-                kept=True,
-            )
-        except GraphmodeFailure:  # a failure all the same, if not the same one
-            return True
-        try:
-            lockstep.run(history)
-        except GraphmodeFailure:
-            return True
-        finally:
-            lockstep.close()
-        return False
+    def _noted(self, failed: GraphmodeFailure, note: str, unshrunk: str) -> HistoryFailure:
+        """`failed` with `note` added to its message, to be reported unshrunk (`unshrunk` says
+        why), with the campaign's statistics."""
+        failure = dataclasses.replace(failed.failure, message=failed.failure.message + note)
+        return HistoryFailure(GraphmodeFailure(failure, self._stats), unshrunk)
 
     def _failure_alone(
-        self, events: Sequence[Batch | Stress], seed: int
+        self, events: Sequence[Batch | Stress | Reset], seed: int, kept: bool = False
     ) -> GraphmodeFailure | None:
-        """What `events` raise alone on fresh twins (None: they pass)."""
+        """What `events` raise on fresh twins (None: they pass); `kept`: twins that take `Reset`
+        events between examples."""
         try:
-            self._alone(events, seed, CampaignStats(examples=1))
+            self._alone(events, seed, CampaignStats(examples=1), kept)
         except GraphmodeFailure as alone:
             return alone
         return None

@@ -11,7 +11,13 @@ import torch
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, StepResult, TargetFactory
 from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
-from pytest_graphmode.fuzz.kept_twins import FRESH_EVERY, NEEDS_WEIGHTS, HistoryFailure, KeptTwins
+from pytest_graphmode.fuzz.kept_twins import (
+    FRESH_EVERY,
+    NEEDS_WEIGHTS,
+    NOT_REPEATED_ON_FRESH_TWINS,
+    HistoryFailure,
+    KeptTwins,
+)
 from pytest_graphmode.fuzz.lockstep import Lockstep
 from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
@@ -191,7 +197,7 @@ def test_a_failure_on_kept_twins_that_does_not_repeat_says_so() -> None:
     assert stats.first_failure_example > 1  # found on kept twins
     assert "this failure did not repeat" in failure.message, failure.message
     assert "needed the twins' history" not in failure.message
-    assert "shrinking skipped: the failure repeated neither alone nor after" in failure.message
+    assert NOT_REPEATED_ON_FRESH_TWINS in failure.message
     assert "Reset(seed=" in failure.replay_snippet
 
 

@@ -1,10 +1,10 @@
 """The target contract over the side-copy runner (`side_copy.py`); it adds no logic. One factory
-per bug, importable by name as replay snippets need."""
+per bug, importable by name as replay snippets and child processes need."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -70,29 +70,21 @@ def make_target(mode: Mode, *, seed: int, backend: str) -> SideCopyTarget:
     return SideCopyTarget(mode, seed=seed, backend=backend)
 
 
-def padding_slot_zero(mode: Mode, *, seed: int, backend: str) -> SideCopyTarget:
-    return SideCopyTarget(mode, seed=seed, backend=backend, bug="padding_slot_zero")
+def _with_bug(bug: str) -> Callable[..., SideCopyTarget]:
+    """The factory of the runner with `bug`, named after it: a replay snippet imports it and a
+    child process unpickles it by that name, so it is bound to that name below."""
+
+    def make(mode: Mode, *, seed: int, backend: str) -> SideCopyTarget:
+        return SideCopyTarget(mode, seed=seed, backend=backend, bug=bug)
+
+    make.__name__ = make.__qualname__ = bug
+    return make
 
 
-def padding_slot_zero_in_steps(mode: Mode, *, seed: int, backend: str) -> SideCopyTarget:
-    return SideCopyTarget(mode, seed=seed, backend=backend, bug="padding_slot_zero_in_steps")
-
-
-def key_without_query_len(mode: Mode, *, seed: int, backend: str) -> SideCopyTarget:
-    return SideCopyTarget(mode, seed=seed, backend=backend, bug="key_without_query_len")
-
-
-def temperature_baked(mode: Mode, *, seed: int, backend: str) -> SideCopyTarget:
-    return SideCopyTarget(mode, seed=seed, backend=backend, bug="temperature_baked")
-
-
-def tokens_read_before_download(mode: Mode, *, seed: int, backend: str) -> SideCopyTarget:
-    return SideCopyTarget(mode, seed=seed, backend=backend, bug="tokens_read_before_download")
-
-
-def replay_without_upload_wait(mode: Mode, *, seed: int, backend: str) -> SideCopyTarget:
-    return SideCopyTarget(mode, seed=seed, backend=backend, bug="replay_without_upload_wait")
-
-
-def upload_over_live_inputs(mode: Mode, *, seed: int, backend: str) -> SideCopyTarget:
-    return SideCopyTarget(mode, seed=seed, backend=backend, bug="upload_over_live_inputs")
+padding_slot_zero = _with_bug("padding_slot_zero")
+padding_slot_zero_in_steps = _with_bug("padding_slot_zero_in_steps")
+key_without_query_len = _with_bug("key_without_query_len")
+temperature_baked = _with_bug("temperature_baked")
+tokens_read_before_download = _with_bug("tokens_read_before_download")
+replay_without_upload_wait = _with_bug("replay_without_upload_wait")
+upload_over_live_inputs = _with_bug("upload_over_live_inputs")
