@@ -42,6 +42,7 @@ from pytest_graphmode.fuzz.snippet import replay_snippet
 from pytest_graphmode.fuzz.violation import Violation
 from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.strategies import stressors
+from pytest_graphmode.strategies.idle_blocks import MarkedBlocks, mark_idle_blocks
 from pytest_graphmode.strategies.plans import Reset, Stress
 
 Event = Batch | Stress | Reset
@@ -316,6 +317,22 @@ class Lockstep:
     def _check_step(
         self, step: int, batch: Batch, kept: list[Kept], stress: Stress
     ) -> tuple[list[Violation], list[Kept]]:
+        marked = self._mark_idle_blocks([batch])
+        try:
+            return self._checked_step(step, batch, kept, stress)
+        finally:
+            marked.restore()
+
+    def _mark_idle_blocks(self, batches: Sequence[Batch]) -> MarkedBlocks:
+        """Mark the blocks no request of `batches` lists on the graph and eager twins, before
+        their state is snapshotted for the step (`idle_blocks.py`): a write there then shows even
+        when it stores the bits the slot held. Both twins alike, so that their states still
+        match; the clean and company twins are references and stay as they are."""
+        return mark_idle_blocks([self.graph.state(), self.eager.state()], self.spec, batches)
+
+    def _checked_step(
+        self, step: int, batch: Batch, kept: list[Kept], stress: Stress
+    ) -> tuple[list[Violation], list[Kept]]:
         graph_before, eager_before = snapshot(self.graph.state()), snapshot(self.eager.state())
         with stressors.delayed_step(self.backend, stress):
             graph = step_outcome(self.graph, batch)
@@ -396,6 +413,38 @@ class Lockstep:
         first step, the states after the pair with the second (see `Evidence`).
         """
         churned = self._stress(first.stress, previous, first.batch, self._rng(step))
+        marked = self._mark_idle_blocks([first.batch, second.batch])
+        try:
+            judged, graph1, ref1 = self._pair_evidence(step, first, second, kept)
+        finally:
+            marked.restore()
+        churned.clear()
+        for evidence in judged:
+            violations = self._first_violation(evidence)
+            if violations:
+                self._fail(
+                    violations[0],
+                    evidence.step,
+                    evidence.batch,
+                    events[: second.index + 1],
+                    pair=step,
+                )
+        assert graph1 is not None and ref1 is not None  # a pair that ended early failed above
+        self._graph_result = graph1.result
+        now: list[Kept] = []
+        if graph1.result is not None:
+            now.append((graph1.result, _clones(graph1.result), step + 1))
+        copy = ref1.eager.result  # the eager result's host copy, taken at its step
+        if ref1.live is not None and copy is not None:
+            now.append((ref1.live, (copy.logits, copy.next_tokens), step + 1))
+        return now
+
+    def _pair_evidence(
+        self, step: int, first: _Step, second: _Step, kept: Sequence[Kept]
+    ) -> tuple[list[Evidence], Outcome | None, _References | None]:
+        """Run the pair on every twin: the evidence to judge each step with, the graph twin's
+        outcome of the second step and the references of the second step (None: not run, the
+        first step already failed)."""
         graph_before, eager_before = snapshot(self.graph.state()), snapshot(self.eager.state())
         ref0 = self._references(first.batch)
         # Read now, after the eager twin's first step: unchanged by it, as the contract asks.
@@ -481,26 +530,7 @@ class Lockstep:
                     step=step + 1,
                 )
             )
-        churned.clear()
-        for evidence in judged:
-            violations = self._first_violation(evidence)
-            if violations:
-                self._fail(
-                    violations[0],
-                    evidence.step,
-                    evidence.batch,
-                    events[: second.index + 1],
-                    pair=step,
-                )
-        assert graph1 is not None and ref1 is not None  # a pair that ended early failed above
-        self._graph_result = graph1.result
-        now: list[Kept] = []
-        if graph1.result is not None:
-            now.append((graph1.result, _clones(graph1.result), step + 1))
-        copy = ref1.eager.result  # the eager result's host copy, taken at its step
-        if ref1.live is not None and copy is not None:
-            now.append((ref1.live, (copy.logits, copy.next_tokens), step + 1))
-        return now
+        return judged, graph1, ref1
 
     def _count(self, batch: Batch, result: StepResult | None) -> None:
         self.stats.steps += 1

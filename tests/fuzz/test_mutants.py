@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pytest_graphmode.contract import Batch, Request
-from pytest_graphmode.fuzz import GraphmodeFailure, replay
+from pytest_graphmode.fuzz import GraphmodeFailure, lockstep, replay
 from pytest_graphmode.fuzz.snippet import replay_snippet
+from pytest_graphmode.strategies.idle_blocks import MarkedBlocks
 from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
 from tests.fuzz import toy
@@ -37,10 +38,12 @@ EXPECTED = {
     "overlapping_views": "address_views_disjoint",
     "pool_growth": "pool_within_bound",
 }
+# Bugs that schedule does not reach, each with a test of its own below.
+OWN_SCHEDULE = {"host_rows_stale": "kv_writes_confined"}
 
 
 def test_every_toy_bug_has_an_expected_check():
-    assert set(EXPECTED) == toy.BUGS
+    assert set(EXPECTED) | set(OWN_SCHEDULE) == toy.BUGS
 
 
 def test_the_correct_toy_passes_every_check():
@@ -95,3 +98,33 @@ def test_replay_refuses_an_illegal_batch_before_running_it():
     illegal = Batch((Request(0, (1,), context_len=0, block_ids=(0,)),))  # the null block
     with pytest.raises(ValueError, match="null block"):
         replay([illegal], factory=toy.make_target)
+
+
+def _departed() -> list[Batch]:
+    """Four requests prefill two tokens each, decode one token each, then decode without the
+    last one, which has finished (its block is free)."""
+    blocks = (1, 2, 3, 4)
+    prefill = Batch(tuple(Request(i, (i, i + 5), 0, (b,)) for i, b in enumerate(blocks)))
+    decode = Batch(tuple(Request(i, (i + 9,), 2, (b,)) for i, b in enumerate(blocks)))
+    after = Batch(tuple(Request(i, (i + 13,), 3, (b,)) for i, b in enumerate(blocks[:3])))
+    return [prefill, decode, after]
+
+
+def test_a_write_of_the_bits_an_idle_slot_holds_fails_kv_writes_confined():
+    """The padding row of the three-request step still holds the finished request's inputs and
+    stores its keys again: bit for bit what its slot holds, so only the mark the harness puts in
+    idle blocks during a step shows the write."""
+    with pytest.raises(GraphmodeFailure) as caught:
+        replay(_departed(), factory=toy.factory(["host_rows_stale"]), seed=3)
+    assert caught.value.failure.check == OWN_SCHEDULE["host_rows_stale"]
+    assert caught.value.failure.step == 2
+    assert "slot 18 (block 4, owned by no request of this step" in str(caught.value)
+
+
+def test_without_the_mark_that_write_is_invisible(monkeypatch):
+    def mark_nothing(states, spec, batches):
+        return MarkedBlocks([])
+
+    monkeypatch.setattr(lockstep, "mark_idle_blocks", mark_nothing)
+    stats = replay(_departed(), factory=toy.factory(["host_rows_stale"]), seed=3)
+    assert stats.failures == [] and stats.paths["full"] == 3

@@ -30,6 +30,7 @@ SPEC = TargetSpec(
     features=FEATURES,
 )
 HIDDEN = 8
+_TOKEN_KEYS = ("token_ids", "positions", "adapters", "slot_mapping")
 BUGS = frozenset(
     {
         "padding_not_reset",  # padding rows keep stale slot ids and write someone's KV
@@ -42,6 +43,9 @@ BUGS = frozenset(
         "raises_at_3",  # graph mode raises for 3-request batches
         "overlapping_views",  # two graphs' virtual ranges overlap
         "pool_growth",  # each graph maps fresh physical memory
+        # padding rows keep an earlier step's rows staged on the host, out of the harness's reach,
+        # and store a departed request's keys again: the bits its slot already holds
+        "host_rows_stale",
     }
 )
 
@@ -82,6 +86,8 @@ class ToyTarget:
             "logits": torch.zeros(r, SPEC.vocab_size),
             "scratch": torch.zeros(r),
         }
+        # Host staging for the per-token inputs ("host_rows_stale" leaves its padding rows stale).
+        self._host = {key: torch.zeros(t, dtype=torch.long) for key in _TOKEN_KEYS}
         self._captured: dict[int, torch.Tensor] = {}
         self._buckets: set[int] = set()
 
@@ -181,8 +187,11 @@ class ToyTarget:
     def _write_static(self, inputs: tuple[torch.Tensor, ...], n_tokens: int, n_reqs: int) -> None:
         s = self.static
         null_slot = SPEC.null_block * SPEC.block_size
-        token_keys = ("token_ids", "positions", "adapters", "slot_mapping")
-        for key, value in zip(token_keys, inputs[:4], strict=True):
+        for key, value in zip(_TOKEN_KEYS, inputs[:4], strict=True):
+            if "host_rows_stale" in self.bugs:
+                self._host[key][:n_tokens].copy_(value)
+                s[key].copy_(self._host[key])
+                continue
             s[key][:n_tokens].copy_(value)
             if key != "slot_mapping" or "padding_not_reset" not in self.bugs:
                 s[key][n_tokens:].fill_(null_slot if key == "slot_mapping" else 0)

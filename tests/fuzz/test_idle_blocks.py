@@ -1,0 +1,64 @@
+"""The marks in idle blocks: every slot of a block no request of the step lists, in floating
+slot-major state only, restored bit for bit afterwards."""
+
+from __future__ import annotations
+
+import torch
+
+from pytest_graphmode.contract import Batch, Request
+from pytest_graphmode.strategies.idle_blocks import MARK, idle_slots, mark_idle_blocks
+from tests.fuzz.toy import SPEC
+
+SIZE = SPEC.block_size
+FIRST = Batch((Request(0, (1, 2), 0, (3,)), Request(1, (4,), 5, (5, 7))))
+SECOND = Batch((Request(2, (6,), 0, (9,)),))
+
+
+def _blocks(slots: list[int]) -> set[int]:
+    return {slot // SIZE for slot in slots}
+
+
+def test_idle_slots_are_every_slot_of_every_unlisted_block_but_the_null_block():
+    slots = idle_slots(SPEC, [FIRST])
+    assert len(slots) == len(set(slots)) == len(_blocks(slots)) * SIZE
+    assert _blocks(slots) == set(range(SPEC.num_blocks)) - {3, 5, 7, SPEC.null_block}
+    assert _blocks(idle_slots(SPEC, [FIRST, SECOND])) == _blocks(slots) - {9}
+
+
+def test_floating_slot_major_tensors_are_marked_in_idle_slots_only():
+    kv = torch.randn(SPEC.num_slots, 2, 3)
+    scales = torch.randn(SPEC.num_slots).to(torch.float8_e4m3fn)
+    ids = torch.arange(SPEC.num_slots)
+    weights = torch.randn(SPEC.num_slots + 1, 2)
+    before = [t.clone() for t in (kv, scales, ids, weights)]
+    marked = mark_idle_blocks(
+        [{"kv": kv, "ids": ids}, {"scales": scales, "w": weights}], SPEC, [FIRST]
+    )
+    idle = torch.zeros(SPEC.num_slots, dtype=torch.bool)
+    idle[idle_slots(SPEC, [FIRST])] = True
+    assert bool((kv[idle] == MARK).all()) and torch.equal(kv[~idle], before[0][~idle])
+    assert bool((scales[idle].float() == MARK).all())
+    assert torch.equal(ids, before[2]) and torch.equal(weights, before[3])
+    marked.restore()
+    assert torch.equal(kv, before[0])
+    assert torch.equal(scales.view(torch.uint8), before[1].view(torch.uint8))
+
+
+def test_restoring_gives_back_the_exact_bits_nan_payloads_included():
+    kv = torch.randn(SPEC.num_slots, 4)
+    bits = kv.view(torch.int32)
+    bits[:, 0] = 0x7FC0_1234  # a NaN with a payload
+    before = bits.clone()
+    mark_idle_blocks([{"kv": kv}], SPEC, [SECOND]).restore()
+    assert torch.equal(kv.view(torch.int32), before)
+
+
+def test_with_every_block_listed_nothing_is_marked():
+    every = Batch(
+        tuple(
+            Request(i, (1,), 0, (block,))
+            for i, block in enumerate(b for b in range(SPEC.num_blocks) if b != SPEC.null_block)
+        )
+    )
+    kv = torch.randn(SPEC.num_slots, 2)
+    assert mark_idle_blocks([{"kv": kv}], SPEC, [every]).saved == []
