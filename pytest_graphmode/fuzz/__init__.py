@@ -42,8 +42,9 @@ made is closed, also when a check fails.
 
 How each bug class of docs/bug-classes.md is provoked (before the arrow) and seen (after it):
 
-1. padding rows: poisoned static buffers holding live block/slot ids, a NaN null block
-   -> kv_writes_confined, padding_inert
+1. padding rows: poisoned static buffers holding live block/slot ids, a NaN null block, the
+   blocks no request of the step lists marked during the step -> kv_writes_confined,
+   padding_inert
 2. randomness: sampled requests in other buckets, padding and company
    -> replay_matches_eager, sampling_independent
 3. stale buffers: every static buffer poisoned before every step -> padding_inert
