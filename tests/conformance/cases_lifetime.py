@@ -79,3 +79,17 @@ def output_kept_by_a_view_after_its_base_is_dropped(be: Any) -> str:
     x.fill_(1.0)
     g.replay()
     return value(be, head)
+
+
+@case("value=[2.0, 2.0, 2.0, 2.0]")
+def input_dropped_after_its_replay_was_issued(be: Any) -> str:
+    x = torch.ones(4, device=be.device)
+    g = be.Graph()
+    with be.graph(g):
+        y = x * 2
+    be.synchronize()
+    g.replay()
+    # The replay is issued: the caching allocator hands x's block out again only in the order
+    # of this stream, after the replay ran.
+    del x
+    return value(be, y)

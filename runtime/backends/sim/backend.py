@@ -14,6 +14,7 @@ Every operation is also judged, when it is issued, by the happens-before race ch
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -513,7 +514,7 @@ class SimBackend:
         if active is not None and self._current in active.unjoined:
             raise active.capture.fail("replaying a graph inside a capture is not supported by sim")
         # Internal: the check's own tensor operations are no scheduling points for queued work.
-        self._internal(program.check_alive)
+        storages = self._internal(program.check_alive)
         # Asynchronous, as on a GPU, even on the default stream: replay() returns before the graph
         # ran, so host writes to pinned memory it reads, and host reads of pinned memory it
         # writes, race with it until something waits for the stream.
@@ -527,10 +528,10 @@ class SimBackend:
         accesses = races.access(
             races.agent(self._current), touched, "graph replay", keep=reads_pinned
         )
-        storages = [storage for storage, _, _ in touched] if accesses else []
-        watches = self._watch_pinned_reads(accesses, storages)
+        pinned = [storage for storage, _, _ in touched] if accesses else []
+        watches = self._watch_pinned_reads(accesses, pinned)
 
-        run = self._after_watches(watches, program.run)
+        run = self._after_watches(watches, functools.partial(program.run, storages))
         self.scheduler.enqueue(self._current, new_work(run, "graph replay"))
 
     # -- dispatch ------------------------------------------------------------------------------

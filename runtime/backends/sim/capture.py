@@ -121,16 +121,22 @@ class Program:
             for ref in _refs(ins.args, ins.kwargs):
                 self._first_reader.setdefault(ref, ops.op_name(ins.func))
 
-    def check_alive(self) -> None:
-        """Raise UseAfterFreeError now if any external memory the program reads is gone."""
-        for ext in self._externals:
-            self._storage(ext)
+    def check_alive(self) -> list[torch.UntypedStorage]:
+        """The storages of the external memory the program reads, for `run`; UseAfterFreeError
+        now if any of it is gone.
 
-    def run(self) -> None:
+        Called when a replay is issued. The queued replay holds what this returns, so a tensor the
+        program dropped after issuing it stays where it is until the replay ran: on CUDA the
+        caching allocator hands a freed block out again only in the order of its stream, after the
+        replay already issued on it."""
+        return [self._storage(ext) for ext in self._externals]
+
+    def run(self, storages: list[torch.UntypedStorage]) -> None:
+        """One replay on `storages` (`check_alive`'s, at the replay's issue)."""
         env = list(self._env)
-        for ext in self._externals:
+        for ext, storage in zip(self._externals, storages, strict=True):
             t = torch.empty(0, dtype=ext.dtype)
-            env[ext.idx] = t.set_(self._storage(ext), ext.offset, ext.shape, ext.stride)
+            env[ext.idx] = t.set_(storage, ext.offset, ext.shape, ext.stride)
         with torch.no_grad():
             for (
                 func,
@@ -161,6 +167,8 @@ class Program:
     def _storage(self, ext: _External) -> torch.UntypedStorage:
         """The storage of an external tensor, still where the capture saw it."""
         storage = ext.storage()
+        if storage is not None and _dropped_by_the_program(storage):
+            storage = None
         reader = self._first_reader.get(ext.idx, "the graph")
         if storage is None or storage.data_ptr() != ext.address:
             what = "freed" if storage is None else "reallocated (resized)"
@@ -170,6 +178,13 @@ class Program:
                 "it in place (copy_) instead of rebinding or resizing it, or capture again."
             )
         return storage
+
+
+def _dropped_by_the_program(storage: torch.UntypedStorage) -> bool:
+    """Whether nothing but this Python storage object holds the memory: no tensor of the program
+    refers to it any more, and it lives on only because a replay issued before the program freed
+    it holds it until it has run (`Program.check_alive`)."""
+    return torch._C._storage_Use_Count(storage._cdata) <= 1
 
 
 def _refs(args: list[Any], kwargs: dict[str, Any]) -> list[int]:
