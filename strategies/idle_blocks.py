@@ -27,9 +27,9 @@ MARK = 0.5
 """What every element of an idle slot holds during the step: finite and exact in every floating
 dtype down to float8, and not zero, which a freshly allocated cache holds."""
 
-# The bits of a floating tensor, as an integer tensor of the same element size: index_select and
-# index_copy_ exist for every integer dtype on every device, not for float8, and the bits restore
-# exactly (NaN payloads too).
+# The bits of a floating tensor, as an integer tensor of the same element size: index_select,
+# index_fill_ and index_copy_ exist for every integer dtype on every device, not for float8, and
+# the bits restore exactly (NaN payloads too).
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -78,9 +78,8 @@ def mark_idle_blocks(
             index = on_device.get(tensor.device)
             if index is None:
                 index = on_device[tensor.device] = torch.tensor(slots, device=tensor.device)
-            rows = bits.index_select(0, index)
-            bits.index_copy_(0, index, torch.full_like(rows, _mark_bits(tensor.dtype)))
-            marked.saved.append((bits, index, rows))
+            marked.saved.append((bits, index, bits.index_select(0, index)))
+            bits.index_fill_(0, index, _mark_bits(tensor.dtype))
     return marked
 
 
