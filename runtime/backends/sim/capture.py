@@ -181,10 +181,22 @@ class Program:
 
 
 def _dropped_by_the_program(storage: torch.UntypedStorage) -> bool:
-    """Whether nothing but this Python storage object holds the memory: no tensor of the program
-    refers to it any more, and it lives on only because a replay issued before the program freed
-    it holds it until it has run (`Program.check_alive`)."""
-    return torch._C._storage_Use_Count(storage._cdata) <= 1
+    """Whether no tensor refers to the memory any more: it lives on only because a replay issued
+    before the program freed it holds its storage object until it has run (`Program.check_alive`).
+    """
+    return torch._C._storage_Use_Count(storage._cdata) < _ONE_TENSOR_COUNT
+
+
+def _one_tensor_count() -> int:
+    """The use count torch reports for a storage that one tensor refers to, asked through its
+    storage object. Measured, not assumed: whether the storage object itself counts has differed
+    between torch releases, and where it does not, no memory is ever taken for dropped."""
+    one = torch.empty(1, device="cpu")
+    return int(torch._C._storage_Use_Count(one.untyped_storage()._cdata))
+
+
+# Measured once, at import: outside any mode the sim or a runner may enter later.
+_ONE_TENSOR_COUNT = _one_tensor_count()
 
 
 def _refs(args: list[Any], kwargs: dict[str, Any]) -> list[int]:
