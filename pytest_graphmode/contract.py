@@ -145,6 +145,12 @@ def request_slots(request: Request, block_size: int) -> list[int]:
     ]
 
 
+def slot_major(tensor: Tensor, spec: TargetSpec) -> bool:
+    """Whether a `state()` tensor is laid out one row per KV slot of `spec`: the tensors the
+    harness compares, poisons and marks slot by slot."""
+    return tensor.dim() > 0 and tensor.shape[0] == spec.num_slots
+
+
 _INT64_MAX = 2**63 - 1
 
 

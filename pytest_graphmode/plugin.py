@@ -262,15 +262,8 @@ def pytest_terminal_summary(
 def _check_descriptions() -> dict[str, str]:
     """Every check's name -> the first sentence of its oracle's docstring, in registry order;
     for the checks no oracle function judges, what they see."""
-    from pytest_graphmode.fuzz import (
-        addresses,
-        checks,
-        kv_checks,
-        race_check,
-        rank_checks,
-        sampling_check,
-    )
-    from pytest_graphmode.fuzz.registry import CHECKS, NO_DEVICE_FAULT
+    from pytest_graphmode.fuzz import rank_checks
+    from pytest_graphmode.fuzz.registry import CHECKS, NO_DEVICE_FAULT, ORACLE_MODULES
 
     judged_elsewhere = {
         NO_DEVICE_FAULT: "The device never faulted and the campaign's process never died (an "
@@ -279,10 +272,9 @@ def _check_descriptions() -> dict[str, str]:
         rank_checks.RANKS_ARRIVE: "Every rank arrives at every collective the others wait in, "
         "within the timeout",
     }
-    modules = (race_check, checks, kv_checks, addresses, sampling_check, rank_checks)
     descriptions = {}
     for name in CHECKS:
-        oracle = next((getattr(m, name) for m in modules if hasattr(m, name)), None)
+        oracle = next((getattr(m, name) for m in ORACLE_MODULES if hasattr(m, name)), None)
         doc = " ".join((getattr(oracle, "__doc__", None) or "").split())
         described = doc.split(". ")[0].rstrip(".") or judged_elsewhere.get(name)
         descriptions[name] = described or "(no description)"

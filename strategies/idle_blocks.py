@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pytest_graphmode.contract import Batch, TargetSpec
+from pytest_graphmode.contract import Batch, TargetSpec, slot_major
+from pytest_graphmode.strategies.stressors import live_indices
 
 MARK = 0.5
 """What every element of an idle slot holds during the step: finite and exact in every floating
@@ -47,8 +48,7 @@ class MarkedBlocks:
 
 def idle_slots(spec: TargetSpec, batches: Sequence[Batch]) -> list[int]:
     """The slots of every block that no request of `batches` lists, the null block excepted."""
-    listed = {b for batch in batches for r in batch.requests for b in r.block_ids}
-    listed.add(spec.null_block)
+    listed = {*live_indices(spec, batches)[0], spec.null_block}
     size = spec.block_size
     return [
         block * size + offset
@@ -70,9 +70,7 @@ def mark_idle_blocks(
     on_device: dict[torch.device, torch.Tensor] = {}
     for state in states:
         for tensor in state.values():
-            if not tensor.is_floating_point() or tensor.dim() == 0:
-                continue
-            if tensor.shape[0] != spec.num_slots:
+            if not (tensor.is_floating_point() and slot_major(tensor, spec)):
                 continue
             bits = tensor.detach().view(_BITS[tensor.element_size()])
             index = on_device.get(tensor.device)

@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from pytest_graphmode.contract import Batch, TargetSpec
+from pytest_graphmode.contract import Batch, TargetSpec, slot_major
 from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.strategies.plans import Stress
 from pytest_graphmode.strategies.stream_delays import delayed_streams
@@ -66,7 +66,7 @@ def poison_null_block(state: Mapping[str, torch.Tensor], spec: TargetSpec) -> No
     """NaN into the null block's slots of every floating slot-major tensor (KV caches)."""
     start = spec.null_block * spec.block_size
     for tensor in state.values():
-        if tensor.is_floating_point() and tensor.dim() > 0 and tensor.shape[0] == spec.num_slots:
+        if tensor.is_floating_point() and slot_major(tensor, spec):
             tensor[start : start + spec.block_size].fill_(float("nan"))
 
 

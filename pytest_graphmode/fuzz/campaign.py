@@ -27,7 +27,6 @@ from pytest_graphmode.contract import Batch, TargetFactory, TargetSpec
 from pytest_graphmode.failure import Failure, GraphmodeFailure
 from pytest_graphmode.fuzz.campaign_process import (
     DEFAULT_CPU_THREADS,
-    FrozenHeap,
     check_cpu_threads,
     long_lived_objects_frozen,
     torch_cpu_threads,
@@ -143,7 +142,6 @@ def run_campaign(
     stats.shrink_budget_seconds = shrink_seconds
     budget = ShrinkBudget(stats, started, shrink_seconds, progress)
     twins = KeptTwins(factory, backend=backend, stats=stats)
-    heap = FrozenHeap()  # replaced by the campaign's own once its heap is frozen
 
     def example(plans: list[StepPlan], example_seed: int) -> None:
         budget.stop_if_spent(seconds)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pytest_graphmode.contract import Batch, StepResult, TargetSpec
-from pytest_graphmode.fuzz.kv_checks import State, row_mask, slot_major, valid_slots
+from pytest_graphmode.contract import Batch, StepResult, TargetSpec, slot_major
+from pytest_graphmode.fuzz.kv_checks import State, row_mask, valid_slots
 from pytest_graphmode.fuzz.tolerance import SAMPLED_AGREEMENT, row_tolerance, same_bits
 from pytest_graphmode.fuzz.violation import Violation, differences
 

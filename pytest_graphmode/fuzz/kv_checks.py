@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from pytest_graphmode.contract import Batch, TargetSpec, request_slots
+from pytest_graphmode.contract import Batch, TargetSpec, request_slots, slot_major
 from pytest_graphmode.fuzz.tolerance import same_bits, within
 from pytest_graphmode.fuzz.violation import Violation, differences
 
@@ -24,10 +24,6 @@ def valid_slots(batch: Batch, spec: TargetSpec) -> dict[int, int]:
         for request in batch.requests
         for slot in request_slots(request, spec.block_size)
     }
-
-
-def slot_major(tensor: torch.Tensor, spec: TargetSpec) -> bool:
-    return tensor.dim() > 0 and tensor.shape[0] == spec.num_slots
 
 
 def row_mask(equal: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,10 @@ from pytest_graphmode.fuzz.kv_checks import State
 from pytest_graphmode.fuzz.violation import Violation
 from pytest_graphmode.runtime.backends.race import Race
 
+ORACLE_MODULES = (race_check, checks, kv_checks, addresses, sampling_check, rank_checks)
+"""The modules whose functions, named as their checks, are the oracles (their docstrings describe
+the checks in the summary's glossary)."""
+
 Kept = tuple[StepResult, tuple[torch.Tensor, torch.Tensor], int]
 """A result returned at an earlier step, clones of its logits and tokens then, and that step."""
 
