@@ -6,6 +6,8 @@ prompt lengths sit often on a block boundary or at the per-request block limit (
 context a request may have), and prompt lengths and chunks reach past the largest capture size,
 so some steps must take the eager path. Consecutive steps of the same
 size but another kind, query length or adapter mix are what probe an incomplete graph key.
+Schedules whose swarm switches admissions and regrouping off drain from their tail instead
+(`swarm.SHAPES`): a departed request's row becomes a padding row of the same graph.
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ def _plan_strategies(
     largest = spec.capture_sizes[-1] if spec.capture_sizes else 1
     kind, rows, arrived = step_kinds(spec), row_counts(spec), arrival_lists(spec)
     chunk = st.one_of(st.integers(1, largest), st.integers(1, spec.max_num_tokens))
+    rotate = st.integers(0, 63)
     finish, preempt = (
         st.lists(st.integers(0, 63), max_size=2),
         st.lists(st.integers(0, 63), max_size=1),
@@ -172,6 +175,13 @@ def _plan_strategies(
         # new one is admitted: both are prefills. Requests finish one at a time at most.
         kind, arrived = decode_kinds(spec), st.just([])
         finish, preempt = st.lists(st.integers(0, 63), max_size=1), st.just([])
+        if "regrouping" not in swarm.shapes:
+            # Draining: every live request decodes one token, in admission order (rotation 0),
+            # and the last one (index -1, modulo the live count) finishes before the step or
+            # stays. Plain decode, so that a runner that graphs nothing else replays every step
+            # (speculative steps three in four instead: the stale row slower to find, measured).
+            kind, rows, rotate = st.just("decode"), st.just(spec.max_num_reqs), st.just(0)
+            finish = st.one_of(st.just([]), st.just([-1]))
     return _PlanStrategies(
         kind=kind,
         rows=rows,
@@ -181,7 +191,7 @@ def _plan_strategies(
         spec_k=st.integers(1, MAX_SPEC_K),
         accepted=tuple(st.integers(0, k) for k in range(MAX_SPEC_K + 1)),
         chunk=chunk,
-        rotate=st.integers(0, 63),
+        rotate=rotate,
         stress=stresses(spec, pipelined, swarm),
     )
 
@@ -232,10 +242,13 @@ def _plan_lists(
     if "admissions" in swarm.shapes:
         return st.lists(step_plans(spec, pipelined, swarm), min_size=1, max_size=max_steps)
     # At least one steady step where there is room: a schedule of the opening step alone would
-    # only prefill, which a runner that graphs decode steps runs eagerly.
+    # only prefill, which a runner that graphs decode steps runs eagerly. A draining batch gets
+    # three: it loses a row in about half of its steps, and a row it lost is padding only in a
+    # step after that.
+    fewest = 1 if "regrouping" in swarm.shapes else 3
     steady = st.lists(
         step_plans(spec, pipelined, swarm, "steady"),
-        min_size=min(1, max_steps - 1),
+        min_size=min(fewest, max_steps - 1),
         max_size=max_steps - 1,
     )
     return st.tuples(step_plans(spec, pipelined, swarm, "opening"), steady).map(_first_then)

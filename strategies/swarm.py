@@ -22,11 +22,16 @@ FEATURES = ("sampling", "adapters", "spec_decode", "weight_update")
 """The spec features a swarm may switch off: each only widens what batches and stresses hold."""
 STRESSORS = ("churn", "delays", "pipelined")
 """Stressors a swarm may switch off: `delays` covers cuda sleeps and the sim's reseeded scheduler."""
-SHAPES = ("admissions",)
+SHAPES = ("admissions", "regrouping")
 """Schedule shapes a swarm may switch off. `admissions` off: requests are admitted in the first
 step only, and every later step is decode-shaped (decode or speculative), the only shape many
 runners replay graphs for; they run any batch with a prefill in it eagerly, and with admissions at
-any step most of a schedule's steps hold one."""
+any step most of a schedule's steps hold one. `regrouping` off, with admissions off too: the batch
+drains from its tail instead of being regrouped at every step. Every later step runs every live
+request in admission order, and in about half of them the last request finishes first, so the row
+it held becomes a padding row of the same graph while its blocks are free. Rows regrouped at
+random rarely leave a departed request's row right behind the batch, and that is the row a runner
+that does not rewrite its padding rows replays stale."""
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,15 @@ steps use only what is left on."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
+import pytest
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 from pytest_graphmode.contract import Batch
 from pytest_graphmode.strategies.plans import StepPlan
-from pytest_graphmode.strategies.scheduler import compile_schedule
+from pytest_graphmode.strategies.scheduler import BlockScheduler, compile_schedule
 from pytest_graphmode.strategies.schedules import _plan_lists, step_plans
 from pytest_graphmode.strategies.swarm import (
     EVERYTHING,
@@ -61,12 +63,15 @@ def test_every_feature_stressor_and_shape_is_switched_off_by_some_swarm_and_on_b
         assert _on(off) == set(FEATURES + STRESSORS + SHAPES) - {name}
 
 
+@pytest.mark.parametrize(
+    "shapes", [frozenset({"regrouping"}), frozenset()], ids=["regrouped", "draining"]
+)
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_without_admissions_only_the_first_step_admits_and_the_rest_decode(
-    data: st.DataObject,
+    shapes: frozenset[str], data: st.DataObject
 ) -> None:
-    no_admissions = dataclasses.replace(data.draw(swarms(toy.SPEC)), shapes=frozenset())
+    no_admissions = dataclasses.replace(data.draw(swarms(toy.SPEC)), shapes=shapes)
     plans = data.draw(_plan_lists(toy.SPEC, True, 8, no_admissions))
     first, *later = plans
     assert later, "a schedule of the opening step alone only prefills"
@@ -79,13 +84,69 @@ def test_without_admissions_only_the_first_step_admits_and_the_rest_decode(
     for plan in later:
         assert plan.kind in ("decode", "spec") and not plan.arrivals and not plan.preempt, plan
         assert len(plan.finish) <= 1
-    batches = [e for e in compile_schedule(toy.SPEC, plans, seed=0) if isinstance(e, Batch)]
-    admitted = {r.req_id for r in batches[0].requests}
-    for batch in batches[1:]:
-        # A prefill after the first step only where every request had finished before it
+    scheduler = BlockScheduler(toy.SPEC, seed=0)
+    made_room = []  # one entry per step at which every block was taken (all but one preempted)
+    make_room = scheduler._make_room
+    scheduler._make_room = lambda plan: made_room.append(plan) or make_room(plan)  # type: ignore[method-assign]
+    admitted = {r.req_id for r in scheduler.compile(first).requests}
+    for plan in later:
+        preempted_before = bool(made_room)
+        batch = scheduler.compile(plan)
+        # A prefill after the first step only where every request had finished before it, or
+        # where a request preempted when the blocks ran out computes its prompt again
         fresh = [r for r in batch.requests if r.context_len == 0]
-        assert not fresh or all(r.req_id not in admitted for r in batch.requests), batch
+        restarted = [r for r in fresh if r.req_id in admitted]
+        assert not restarted or preempted_before, batch
+        assert restarted or not fresh or all(r.req_id not in admitted for r in batch.requests)
         admitted |= {r.req_id for r in batch.requests}
+
+
+@st.composite
+def _draining(draw: st.DrawFn) -> list[StepPlan]:
+    """Schedules of swarms with admissions and regrouping off: an opening crowd, then a drain."""
+    swarm = dataclasses.replace(draw(swarms(toy.SPEC)), shapes=frozenset())
+    return draw(_plan_lists(toy.SPEC, True, 8, swarm))
+
+
+def _decode_ids(batch: Batch) -> list[int] | None:
+    """The batch's request ids in row order; None unless every request is past its prompt."""
+    if all(r.context_len > 0 for r in batch.requests):
+        return [r.req_id for r in batch.requests]
+    return None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_a_draining_batch_keeps_its_order(data: st.DataObject) -> None:
+    plans = data.draw(_draining())
+    assert len(plans) >= 4, "a drain needs steps to lose rows in"
+    for plan in plans[1:]:
+        assert (plan.kind, plan.rows, plan.rotate) == ("decode", toy.SPEC.max_num_reqs, 0), plan
+        assert plan.finish in ((), (-1,)), plan
+    events = compile_schedule(toy.SPEC, plans, seed=data.draw(st.integers(0, 2**16)))
+    batches = [e for e in events if isinstance(e, Batch)]
+    for plan, before, after in zip(plans[2:], batches[1:-1], batches[2:], strict=True):
+        rows_before, rows_after = _decode_ids(before), _decode_ids(after)
+        if rows_before is None or rows_after is None:
+            continue  # a request that the opening step could not prefill runs its prompt
+        # Shorter where the last request finished, or where the blocks ran out for a request
+        # that needed one more (it runs again once a block is free): either way the requests
+        # of both steps keep their order.
+        remaining = iter(rows_before)
+        stayed = [req for req in rows_after if req in rows_before]
+        assert all(req in remaining for req in stayed), (plan, before, after)
+
+
+def test_a_draining_batch_loses_its_last_row_while_the_rows_before_it_stay() -> None:
+    def loses_its_tail(plans: list[StepPlan]) -> bool:
+        batches = [e for e in compile_schedule(toy.SPEC, plans) if isinstance(e, Batch)]
+        rows = [_decode_ids(b) for b in batches[1:]]
+        return any(
+            a is not None and b is not None and len(b) >= 2 and b == a[:-1]
+            for a, b in itertools.pairwise(rows)
+        )
+
+    assert find(_draining(), loses_its_tail, settings=settings(database=None))
 
 
 def _on(swarm: Swarm) -> set[str]:
