@@ -177,7 +177,7 @@ def _plan_strategies(
         # new one is admitted: both are prefills. Requests finish one at a time at most.
         kind, arrived = decode_kinds(spec), st.just([])
         finish, preempt = st.lists(st.integers(0, 63), max_size=1), st.just([])
-        if "regrouping" not in swarm.shapes:
+        if swarm.drains:
             # Draining: every live request decodes one token, in admission order (rotation 0),
             # and the last one (index -1, modulo the live count) finishes before the step or
             # stays. Plain decode, so that a runner that graphs nothing else replays every step
@@ -247,7 +247,7 @@ def _plan_lists(
     # only prefill, which a runner that graphs decode steps runs eagerly. A draining batch gets
     # three: it loses a row in about half of its steps, and a row it lost is padding only in a
     # step after that.
-    fewest = 1 if "regrouping" in swarm.shapes else 3
+    fewest = 3 if swarm.drains else 1
     steady = st.lists(
         step_plans(spec, pipelined, swarm, "steady"),
         min_size=min(fewest, max_steps - 1),

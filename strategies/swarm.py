@@ -42,6 +42,11 @@ class Swarm:
     stressors: frozenset[str]
     shapes: frozenset[str] = frozenset(SHAPES)
 
+    @property
+    def drains(self) -> bool:
+        """Whether this swarm's batch drains from its tail: admissions and regrouping both off."""
+        return not {"admissions", "regrouping"} & self.shapes
+
     def spec(self, spec: TargetSpec) -> TargetSpec:
         """`spec` with the switched-off features removed: what this example's plans draw from."""
         off = frozenset(FEATURES) - self.features

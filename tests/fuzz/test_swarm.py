@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, find, given, settings
@@ -63,6 +64,16 @@ def test_every_feature_stressor_and_shape_is_switched_off_by_some_swarm_and_on_b
         assert _on(off) == set(FEATURES + STRESSORS + SHAPES) - {name}
 
 
+class _RoomCounting(BlockScheduler):
+    """Counts the steps at which every block was taken and all requests but one were preempted."""
+
+    made_room = 0
+
+    def _make_room(self, plan: StepPlan) -> list[Any]:
+        self.made_room += 1
+        return super()._make_room(plan)
+
+
 @pytest.mark.parametrize(
     "shapes", [frozenset({"regrouping"}), frozenset()], ids=["regrouped", "draining"]
 )
@@ -84,13 +95,10 @@ def test_without_admissions_only_the_first_step_admits_and_the_rest_decode(
     for plan in later:
         assert plan.kind in ("decode", "spec") and not plan.arrivals and not plan.preempt, plan
         assert len(plan.finish) <= 1
-    scheduler = BlockScheduler(toy.SPEC, seed=0)
-    made_room = []  # one entry per step at which every block was taken (all but one preempted)
-    make_room = scheduler._make_room
-    scheduler._make_room = lambda plan: made_room.append(plan) or make_room(plan)  # type: ignore[method-assign]
+    scheduler = _RoomCounting(toy.SPEC, seed=0)
     admitted = {r.req_id for r in scheduler.compile(first).requests}
     for plan in later:
-        preempted_before = bool(made_room)
+        preempted_before = scheduler.made_room > 0
         batch = scheduler.compile(plan)
         # A prefill after the first step only where every request had finished before it, or
         # where a request preempted when the blocks ran out computes its prompt again
@@ -105,10 +113,11 @@ def test_without_admissions_only_the_first_step_admits_and_the_rest_decode(
 def _draining(draw: st.DrawFn) -> list[StepPlan]:
     """Schedules of swarms with admissions and regrouping off: an opening crowd, then a drain."""
     swarm = dataclasses.replace(draw(swarms(toy.SPEC)), shapes=frozenset())
+    assert swarm.drains
     return draw(_plan_lists(toy.SPEC, True, 8, swarm))
 
 
-def _decode_ids(batch: Batch) -> list[int] | None:
+def _ids_past_prompts(batch: Batch) -> list[int] | None:
     """The batch's request ids in row order; None unless every request is past its prompt."""
     if all(r.context_len > 0 for r in batch.requests):
         return [r.req_id for r in batch.requests]
@@ -126,7 +135,7 @@ def test_a_draining_batch_keeps_its_order(data: st.DataObject) -> None:
     events = compile_schedule(toy.SPEC, plans, seed=data.draw(st.integers(0, 2**16)))
     batches = [e for e in events if isinstance(e, Batch)]
     for plan, before, after in zip(plans[2:], batches[1:-1], batches[2:], strict=True):
-        rows_before, rows_after = _decode_ids(before), _decode_ids(after)
+        rows_before, rows_after = _ids_past_prompts(before), _ids_past_prompts(after)
         if rows_before is None or rows_after is None:
             continue  # a request that the opening step could not prefill runs its prompt
         # Shorter where the last request finished, or where the blocks ran out for a request
@@ -140,7 +149,7 @@ def test_a_draining_batch_keeps_its_order(data: st.DataObject) -> None:
 def test_a_draining_batch_loses_its_last_row_while_the_rows_before_it_stay() -> None:
     def loses_its_tail(plans: list[StepPlan]) -> bool:
         batches = [e for e in compile_schedule(toy.SPEC, plans) if isinstance(e, Batch)]
-        rows = [_decode_ids(b) for b in batches[1:]]
+        rows = [_ids_past_prompts(b) for b in batches[1:]]
         return any(
             a is not None and b is not None and len(b) >= 2 and b == a[:-1]
             for a, b in itertools.pairwise(rows)
