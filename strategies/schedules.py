@@ -279,6 +279,40 @@ def first_pair() -> list[StepPlan]:
     return [single, single, dataclasses.replace(single, stress=pair)]
 
 
+def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
+    """The simplest schedule in which a graph replay is still in flight when an eager step
+    starts, a graph captured before a weight update replays after it, and a graph captured on a
+    short context replays on the longest. A campaign runs it as its second example, after
+    `first_pair`, on the same twins.
+
+    A request with a one-token prompt is admitted and decoded. The next step admits a second
+    request, whose prompt leaves room for two tokens below the per-request block limit, and
+    prefills it whole, pipelined with that decode (and delayed, as `first_pair` is): a runner
+    that runs prefills on a stream of its own, or rewrites a buffer the replay still reads, races
+    there. Then the weights change (where the spec updates weights) and the first request
+    decodes alone, on the graph captured before the change; the two decode together; and the
+    long request decodes alone, on the graph the short one was captured with. A random schedule
+    holds these rarely: half of them switch weight updates off, a quarter switch pipelined pairs
+    off, most pairs join two steps of the same phase, and most prompts are short."""
+    capacity = _capacity(spec)
+    long_prompt = Arrival(
+        prompt_len=max(1, capacity - 2),
+        seed=1 if "sampling" in spec.features else None,
+        temperature=0.5,
+    )
+    update = Stress(weight_seed=1) if "weight_update" in spec.features else Stress()
+    pair = Stress(pipelined=True, delay_cycles=DELAY_CYCLES)
+    whole = spec.max_num_tokens
+    return [
+        StepPlan(kind="decode", rows=1),
+        StepPlan(kind="decode", rows=1),
+        StepPlan(kind="prefill", rows=1, arrivals=(long_prompt,), chunk=whole, stress=pair),
+        StepPlan(kind="decode", rows=1, stress=update),
+        StepPlan(kind="decode", rows=2),
+        StepPlan(kind="decode", rows=1, rotate=1),
+    ]
+
+
 @st.composite
 def batch_lists(draw: st.DrawFn, spec: TargetSpec, max_steps: int = 12) -> list[Batch]:
     """Consecutive legal batches for one fresh target (stressors left out), for `@given` tests

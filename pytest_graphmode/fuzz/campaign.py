@@ -36,7 +36,7 @@ from pytest_graphmode.fuzz.registry import NO_DEVICE_FAULT, is_device_fault
 from pytest_graphmode.settings import hypothesis_settings, resolve_backend
 from pytest_graphmode.strategies.plans import StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
-from pytest_graphmode.strategies.schedules import first_pair, schedules
+from pytest_graphmode.strategies.schedules import first_pair, first_phase_change, schedules
 
 
 def target_spec(factory: TargetFactory, backend: str) -> TargetSpec:
@@ -120,8 +120,10 @@ def run_campaign(
     shrunk. `shrink_seconds` bounds the shrinking (None: Hypothesis shrinks until done; 0: the
     failure is reported as found). `on_example(seed, events)` is called before each example runs.
     `pipelined=False` leaves pipelined pairs out of the schedules (docs/contract.md): every step
-    then runs in lockstep, each read before the next is sent; else the first example is the
-    simplest pipelined pair (`first_pair`), one of the campaign's examples. `seconds` is a time
+    then runs in lockstep, each read before the next is sent; else the campaign's first two
+    examples are fixed schedules, counted among its examples: the simplest pipelined pair
+    (`first_pair`), then a graph replay paired with an eager prefill and a weight update before
+    replays (`first_phase_change`). `seconds` is a time
     budget: once that many seconds have passed since the campaign started, no new example starts
     and the campaign ends as passed (a failure found before is shrunk as always, within
     `shrink_seconds`); `max_examples` still caps the count. `cpu_threads`: torch's intra-op
@@ -138,7 +140,11 @@ def run_campaign(
     # Under a time budget the example count is only a cap: "N of M" would say nothing.
     stats.planned_examples = 0 if seconds is not None else chosen.max_examples
     stats.time_budget_seconds = seconds
-    leading_pair = pipelined and hypothesis.Phase.explicit in chosen.phases
+    leading = (
+        [first_pair(), first_phase_change(spec)][: chosen.max_examples]
+        if pipelined and hypothesis.Phase.explicit in chosen.phases
+        else []
+    )
     stats.shrink_budget_seconds = shrink_seconds
     budget = ShrinkBudget(stats, started, shrink_seconds, progress)
     twins = KeptTwins(factory, backend=backend, stats=stats)
@@ -147,7 +153,7 @@ def run_campaign(
         budget.stop_if_spent(seconds)
         heap.catch_up()
         events = compile_schedule(spec, plans, seed=example_seed)
-        budget.leading = leading_pair and stats.examples == 0  # explicit examples run first
+        budget.leading = stats.examples < len(leading)  # explicit examples run first
         stats.examples += 1
         if on_example is not None:
             on_example(example_seed, events)
@@ -169,10 +175,12 @@ def run_campaign(
             example_seed=st.integers(0, 2**31 - 1),
         )(example)
         run_settings = hypothesis.settings(chosen, max_examples=examples)
-        if leading_pair and run == 0:
-            run_settings = _after_a_leading_example(run_settings)
-            pair_seed = random.Random(seed).randrange(2**31)  # seed None: a random one
-            drawn = hypothesis.example(plans=first_pair(), example_seed=pair_seed)(drawn)
+        if leading and run == 0:
+            run_settings = _after_leading_examples(run_settings, len(leading))
+            seeds = random.Random(seed)  # seed None: random ones
+            # Hypothesis runs the explicit example applied last first.
+            for plans, example_seed in reversed([(p, seeds.randrange(2**31)) for p in leading]):
+                drawn = hypothesis.example(plans=plans, example_seed=example_seed)(drawn)
         test = run_settings(drawn)
         return seeded(test, seed, run)
 
@@ -247,19 +255,20 @@ def seeded(test: Callable[[], None], seed: int | None, run: int) -> Callable[[],
     return hypothesis.seed(run_seed)(test)
 
 
-def _after_a_leading_example(chosen: hypothesis.settings) -> hypothesis.settings:
-    """`chosen` for the examples Hypothesis draws after the leading pair, which runs as an
-    explicit example: one fewer, so the campaign runs `max_examples` in all; none drawn when
-    the pair is the only one (Hypothesis wants at least one, or no generate phase)."""
-    if chosen.max_examples > 1:
-        return hypothesis.settings(chosen, max_examples=chosen.max_examples - 1)
+def _after_leading_examples(chosen: hypothesis.settings, leading: int) -> hypothesis.settings:
+    """`chosen` for the examples Hypothesis draws after the `leading` ones, which run as explicit
+    examples: that many fewer, so the campaign runs `max_examples` in all; none drawn when the
+    leading ones are all (Hypothesis wants at least one, or no generate phase)."""
+    if chosen.max_examples > leading:
+        return hypothesis.settings(chosen, max_examples=chosen.max_examples - leading)
     drawn = (hypothesis.Phase.generate, hypothesis.Phase.target)
     return hypothesis.settings(chosen, phases=[p for p in chosen.phases if p not in drawn])
 
 
 LEADING = (
-    "shrinking skipped: this is the campaign's first example, the simplest schedule with a "
-    "pipelined pair, and its replay ends at the failing step"
+    "shrinking skipped: this is one of the campaign's leading examples, fixed schedules it runs "
+    "before any drawn one (the simplest pipelined pair, then a replay paired with a prefill and a "
+    "weight update), and its replay ends at the failing step"
 )
 
 NOT_REPEATED = (

@@ -5,8 +5,8 @@ Twins, all made by the same factory with the same seed (hence the same weights a
   its step runs with delayed streams when the step's stress asks for delays;
 - `eager`: eager mode, the reference; its null block is poisoned too;
 - `clean`: graph mode, never poisoned; `padding_inert` demands bit-identical valid rows;
-- `company`: eager mode, never poisoned, runs only the sampled requests (see `sampling_check.py`);
-  made only for targets with the "sampling" feature.
+- `company`: eager mode, never poisoned, runs only the sampled requests, their KV blocks renamed
+  (see `sampling_check.py`); made only for targets with the "sampling" feature.
 Only the two graph twins capture graphs: capture dominates the cost of an example. Only the graph
 twin's step is delayed: a race that every twin ran into alike could give the same wrong values on
 all of them, and the twins it is compared with must be undisturbed references.
@@ -170,6 +170,7 @@ class Lockstep:
         except BaseException:
             self.close()
             raise
+        self._renaming = sampling_check.BlockRenaming.drawn(self.spec, seed)
         if kept:
             # Kept on the device: a `Reset` is then one device-side copy per tensor.
             self._saved = [
@@ -246,6 +247,7 @@ class Lockstep:
         torch.manual_seed(seed)
         self.backend.set_scheduler_seed(seed)
         self.seed = seed
+        self._renaming = sampling_check.BlockRenaming.drawn(self.spec, seed)
         self.examples += 1
         self._graph_result = None
 
@@ -380,7 +382,7 @@ class Lockstep:
         """`batch` on the eager and clean twins, and its sampled requests on the company twin
         (the sub-batch and its outcome, None without one)."""
         eager, clean = step_outcome(self.eager, batch), step_outcome(self.clean, batch)
-        sub = sampling_check.company_batch(batch) if self.company else None
+        sub = sampling_check.company_batch(batch, self._renaming) if self.company else None
         company = step_outcome(self.company, sub) if self.company and sub else None
         return eager, clean, sub, company
 

@@ -5,17 +5,24 @@ metamorphic, comparing runs in which only the company of a request differs:
 - bucket and padding: the graph twin runs a request padded into a capture bucket, the eager twin
   runs the same batch unpadded; `replay_matches_eager` demands equal sampled tokens wherever the
   two rows' logits agree to within `SAMPLED_AGREEMENT` x temperature.
-- batch company and row: a fourth, never-poisoned *company twin* (eager mode, same seed) runs,
-  each step, only the batch's sampled requests, in reverse row order. A request's KV depends only
-  on its own tokens, so the company twin computes the same logits for it; this check demands the
-  same sampled token wherever those logits agree with the eager twin's as closely.
-A seed or counter baked in at capture, noise indexed by row or drawn per batch, or padding rows
-that consume a request's random stream all make tokens differ while the logits agree. Gumbel-max
+- batch company, row and KV placement: a fourth, never-poisoned *company twin* (eager mode, same
+  seed) runs, each step, only the batch's sampled requests, in reverse row order, and with their
+  KV blocks renamed by a permutation of the blocks fixed for the example (`BlockRenaming`). A
+  request's KV depends only on its own tokens, not on where it is stored, so the company twin
+  computes the same logits for it; this check demands the same sampled token wherever those
+  logits agree with the eager twin's as closely.
+A seed or counter baked in at capture, noise indexed by row, by KV slot or drawn per batch, or
+padding rows that consume a request's random stream all make tokens differ while the logits agree;
+a read of KV slots a request never wrote makes its logits differ. Gumbel-max
 with shared noise flips only when two perturbed scores tie to within the logit gap, so the rule
 has a false-alarm rate of order 1e-6 per row.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
 
 from pytest_graphmode.contract import Batch, TargetSpec
 from pytest_graphmode.fuzz.checks import Outcome
@@ -25,17 +32,43 @@ from pytest_graphmode.fuzz.violation import Violation, differences
 SAMPLING_INDEPENDENT = "sampling_independent"
 
 
-def company_batch(batch: Batch) -> Batch | None:
-    """The sub-batch the company twin runs: sampled requests, reversed; None if there are none."""
+@dataclass(frozen=True)
+class BlockRenaming:
+    """A permutation of a spec's KV blocks that keeps the null block in place, for one example of
+    the company twin. Applied to every step of the example, it stores each request's KV in other
+    blocks than the batch lists, consistently from step to step: the same contents, elsewhere.
+    Requests that share a block still share its new name."""
+
+    new_name: tuple[int, ...]
+
+    @classmethod
+    def drawn(cls, spec: TargetSpec, seed: int) -> BlockRenaming:
+        blocks = [b for b in range(spec.num_blocks) if b != spec.null_block]
+        shuffled = blocks.copy()
+        random.Random(f"blocks {seed}").shuffle(shuffled)
+        new_name = list(range(spec.num_blocks))
+        for old, new in zip(blocks, shuffled, strict=True):
+            new_name[old] = new
+        return cls(tuple(new_name))
+
+    def __call__(self, block_ids: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(self.new_name[b] for b in block_ids)
+
+
+def company_batch(batch: Batch, renaming: BlockRenaming | None = None) -> Batch | None:
+    """The sub-batch the company twin runs: sampled requests, reversed, their blocks renamed by
+    `renaming`; None if there are none."""
     sampled = tuple(r for r in reversed(batch.requests) if r.seed is not None)
+    if renaming is not None:
+        sampled = tuple(dataclasses.replace(r, block_ids=renaming(r.block_ids)) for r in sampled)
     return Batch(sampled) if sampled else None
 
 
 def sampling_independent(
     company_batch: Batch, company: Outcome, batch: Batch, eager: Outcome, spec: TargetSpec
 ) -> list[Violation]:
-    """A sampled request draws the same token whatever company and row it runs in, where its
-    logits agree."""
+    """A sampled request draws the same token whatever company, row and KV blocks it runs in,
+    where its logits agree."""
     if eager.result is None:
         return []  # replay_matches_eager reports a failing eager twin
     if company.result is None:
@@ -62,7 +95,7 @@ def sampling_independent(
             return [
                 Violation(
                     SAMPLING_INDEPENDENT,
-                    f"logits depend on batch company {where}",
+                    f"logits depend on batch company or KV placement {where}",
                     req_id=request.req_id,
                     row=row,
                     **differences(
@@ -75,7 +108,7 @@ def sampling_independent(
                 Violation(
                     SAMPLING_INDEPENDENT,
                     f"sampled token (seed {request.seed}) depends on batch "
-                    f"company, bucket or padding {where}",
+                    f"company, bucket, padding or KV placement {where}",
                     req_id=request.req_id,
                     row=row,
                     expected=str(reference[other]),

@@ -21,7 +21,7 @@ from pytest_graphmode.fuzz import CHECKS, CampaignStats, GraphmodeFailure, run_c
 from pytest_graphmode.fuzz.isolation import NO_DEVICE_FAULT
 from pytest_graphmode.fuzz.registry import RANK_CHECKS
 from pytest_graphmode.strategies.plans import Stress
-from pytest_graphmode.strategies.schedules import DELAY_CYCLES
+from pytest_graphmode.strategies.schedules import DELAY_CYCLES, first_phase_change
 from tests.fuzz import toy
 
 
@@ -142,7 +142,7 @@ def test_the_example_count_still_caps_a_time_budgeted_campaign():
     assert (stats.examples, stats.stopped_by_time_budget) == (3, False)
 
 
-def test_a_time_budget_runs_hypothesis_in_rounds_with_one_leading_pair():
+def test_a_time_budget_runs_hypothesis_in_rounds_with_the_leading_examples_once():
     seen: list[list[Batch | Stress]] = []
     rounds = campaign_module.ROUND_EXAMPLES
     stats = run_campaign(
@@ -154,8 +154,11 @@ def test_a_time_budget_runs_hypothesis_in_rounds_with_one_leading_pair():
         on_example=lambda _, e: seen.append(e),
     )
     assert stats.examples == len(seen) == rounds + 5 and not stats.stopped_by_time_budget
-    # Only the first round starts with the pair; later rounds draw as a fresh ci-sized run.
+    # Only the first round starts with the two leading examples; later rounds draw as a fresh
+    # ci-sized run.
     assert [i for i, events in enumerate(seen) if events == seen[0]] == [0]
+    assert [i for i, events in enumerate(seen) if events == seen[1]] == [1]
+    assert sum(isinstance(e, Batch) for e in seen[1]) == len(first_phase_change(toy.SPEC))
 
 
 def test_a_failure_is_shrunk_and_reported_though_the_time_budget_is_spent():
@@ -203,7 +206,7 @@ def test_shrinking_leaves_a_single_step_of_batch_literals(pipelined: bool):
     exec(snippet.split("replay(events")[0], namespace)
     assert [type(e) for e in namespace["events"]] == [Batch]
     assert caught.value.failure.step == 0
-    leading = "shrinking skipped: this is the campaign's first example, the simplest schedule"
+    leading = "shrinking skipped: this is one of the campaign's leading examples"
     assert (leading in caught.value.failure.message) == pipelined
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pytest_graphmode.contract import AddressView, Batch, Request, StepResult, TargetSpec
@@ -171,6 +173,29 @@ def test_company_batch_holds_sampled_requests_reversed():
     two = Batch((*BATCH.requests, Request(9, (3,), 0, (0,), seed=1)))
     assert [r.req_id for r in sampling_check.company_batch(two).requests] == [9, 8]
     assert sampling_check.company_batch(Batch(BATCH.requests[:1])) is None
+
+
+def test_block_renaming_is_a_permutation_that_keeps_the_null_block():
+    spec = dataclasses.replace(SPEC, num_blocks=9, null_block=4)
+    renamings = [sampling_check.BlockRenaming.drawn(spec, seed) for seed in range(5)]
+    for renaming in renamings:
+        assert sorted(renaming.new_name) == list(range(9))
+        assert renaming.new_name[4] == 4
+    assert len({r.new_name for r in renamings}) > 1  # other examples, other placements
+    assert renamings[0] == sampling_check.BlockRenaming.drawn(spec, 0)  # replays alike
+
+
+def test_company_batch_renames_blocks_consistently():
+    renaming = sampling_check.BlockRenaming((0, 3, 1, 2))
+    shared = Batch(
+        (
+            Request(1, (5,), 5, (1, 2), seed=1),
+            Request(2, (6,), 2, (1,), seed=2, temperature=0.5),
+        )
+    )
+    sub = sampling_check.company_batch(shared, renaming)
+    assert [(r.req_id, r.block_ids) for r in sub.requests] == [(2, (3,)), (1, (3, 1))]
+    assert sub.requests[0].temperature == 0.5 and sub.requests[0].seed == 2
 
 
 def test_sampled_token_that_depends_on_company_fails():

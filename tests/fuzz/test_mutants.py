@@ -31,6 +31,7 @@ EXPECTED = {
     "output_view": "results_stay_valid",
     "seed_baked": "replay_matches_eager",
     "row_noise": "sampling_independent",
+    "slot_noise": "sampling_independent",
     "reads_scratch": "padding_inert",
     "drift": "replay_matches_eager",
     "global_noise": "replay_matches_eager",

@@ -37,6 +37,7 @@ BUGS = frozenset(
         "output_view",  # returns a view of the static logits buffer
         "seed_baked",  # sampling seeds frozen at a bucket's first use (its "capture")
         "row_noise",  # sampling noise indexed by row: depends on batch company
+        "slot_noise",  # sampling noise keyed by the KV slot, not the position: depends on placement
         "reads_scratch",  # valid rows read a static buffer no step rewrites
         "drift",  # graph logits off by 1%
         "global_noise",  # graph logits get noise from torch's global generator
@@ -48,6 +49,9 @@ BUGS = frozenset(
         "host_rows_stale",
     }
 )
+
+
+_SAMPLER_BUGS = frozenset({"row_noise", "slot_noise"})  # in the sampler both modes share
 
 
 def _noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -64,7 +68,7 @@ class ToyTarget:
         if unknown:
             raise ValueError(f"unknown toy bugs {sorted(unknown)}")
         self.spec = SPEC
-        self.mode, self.bugs = mode, bugs if mode == "graph" else bugs & {"row_noise"}
+        self.mode, self.bugs = mode, bugs if mode == "graph" else bugs & _SAMPLER_BUGS
         g = torch.Generator().manual_seed(seed)
         self.emb = torch.randn(SPEC.vocab_size, HIDDEN, generator=g)
         self.adapter_shift = torch.cat(
@@ -228,7 +232,10 @@ class ToyTarget:
         logits = (summed / ctx_lens.clamp_min(1)[:, None]) @ self.out.T  # [R, V]
         last = ctx_lens.clamp_min(1) - 1
         noise_seeds = seeds + torch.arange(rows) if "row_noise" in self.bugs else seeds
-        noise = _noise(noise_seeds, last, SPEC.vocab_size)
+        counters = last
+        if "slot_noise" in self.bugs:
+            counters = ctx_slots.gather(1, last[:, None].clamp_max(ctx_slots.shape[1] - 1))[:, 0]
+        noise = _noise(noise_seeds, counters, SPEC.vocab_size)
         sampled = (logits.double() / temps[:, None].double() + noise).argmax(dim=-1)
         tokens = torch.where(seeds >= 0, sampled, logits.argmax(dim=-1))
         return logits, tokens
