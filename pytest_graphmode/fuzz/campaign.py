@@ -315,8 +315,9 @@ class ShrinkBudget:
         self._stats, self._started, self._limit, self._progress = stats, started, limit, progress
         self._found_at: float | None = None
         self._last_failure: Exception | None = None
-        # Whether the example running is the campaign's leading pair, which Hypothesis runs as an
-        # explicit example: a failure there is reported as found, never shrunk.
+        # Whether the example running is one of the campaign's leading examples, which
+        # Hypothesis runs as explicit examples: a failure there is reported as found, never
+        # shrunk.
         self.leading = False
         self._unshrunk: str | None = None  # why the first failure is not shrunk, if it is not
         self._lock = threading.Lock()  # progress runs on the ticker thread too
