@@ -290,8 +290,10 @@ def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
     prefills it whole, pipelined with that decode (and delayed, as `first_pair` is): a runner
     that runs prefills on a stream of its own, or rewrites a buffer the replay still reads, races
     there. Then the weights change (where the spec updates weights) and the first request
-    decodes alone, on the graph captured before the change; the two decode together; and the
-    long request decodes alone, on the graph the short one was captured with. A random schedule
+    decodes alone, on the graph captured before the change; the two decode together; the long
+    request decodes alone, on the graph the short one was captured with; and (where the spec
+    has speculative decoding) the short one decodes a draft token, a step with the request count
+    of one graph and the token count of another. A random schedule
     holds these rarely: half of them switch weight updates off, a quarter switch pipelined pairs
     off, most pairs join two steps of the same phase, and most prompts are short."""
     capacity = _capacity(spec)
@@ -303,6 +305,13 @@ def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
     update = Stress(weight_seed=1) if "weight_update" in spec.features else Stress()
     pair = Stress(pipelined=True, delay_cycles=DELAY_CYCLES)
     whole = spec.max_num_tokens
+    # Two tokens of one request: as many requests as the last graph of one-token rows, as many
+    # tokens as the two-request one, so a key without the query length replays one of them.
+    speculative = (
+        [StepPlan(kind="spec", rows=1, spec_k=1, accepted=1)]
+        if "spec_decode" in spec.features
+        else []
+    )
     return [
         StepPlan(kind="decode", rows=1),
         StepPlan(kind="decode", rows=1),
@@ -310,6 +319,7 @@ def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
         StepPlan(kind="decode", rows=1, stress=update),
         StepPlan(kind="decode", rows=2),
         StepPlan(kind="decode", rows=1, rotate=1),
+        *speculative,
     ]
 
 

@@ -122,8 +122,8 @@ def run_campaign(
     `pipelined=False` leaves pipelined pairs out of the schedules (docs/contract.md): every step
     then runs in lockstep, each read before the next is sent; else the campaign's first two
     examples are fixed schedules, counted among its examples: the simplest pipelined pair
-    (`first_pair`), then a graph replay paired with an eager prefill and a weight update before
-    replays (`first_phase_change`). `seconds` is a time
+    (`first_pair`), then a graph replay paired with an eager prefill, a weight update before
+    replays, the longest context and a speculative step (`first_phase_change`). `seconds` is a time
     budget: once that many seconds have passed since the campaign started, no new example starts
     and the campaign ends as passed (a failure found before is shrunk as always, within
     `shrink_seconds`); `max_examples` still caps the count. `cpu_threads`: torch's intra-op
@@ -267,8 +267,9 @@ def _after_leading_examples(chosen: hypothesis.settings, leading: int) -> hypoth
 
 LEADING = (
     "shrinking skipped: this is one of the campaign's leading examples, fixed schedules it runs "
-    "before any drawn one (the simplest pipelined pair, then a replay paired with a prefill and a "
-    "weight update), and its replay ends at the failing step"
+    "before any drawn one (the simplest pipelined pair, then a replay paired with a prefill, a "
+    "weight update, the longest context and a speculative step), and its replay ends at the "
+    "failing step"
 )
 
 NOT_REPEATED = (
