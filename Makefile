@@ -14,7 +14,10 @@ STAMP := $(VENV)/.graphmode-installed
 # The system site packages are visible only where they hold a torch to reuse: otherwise a system
 # pytest without this plugin could shadow the environment's own. Where they are visible, pip finds
 # the system pytest and installs no `pytest` script into $(VENV)/bin, so the last step installs
-# one: after `. $(VENV)/bin/activate`, `pytest` is this environment's.
+# one: after `. $(VENV)/bin/activate`, `pytest` is this environment's. The pytest plugins of the
+# extras go in with it: that pytest is the newest release, and a system plugin older than it may
+# not load under it (pytest-benchmark 5.2 under pytest 9.2: "'Function' object has no attribute
+# '_nodeid'").
 $(STAMP): pyproject.toml Makefile
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 		echo "set-up: $(VENV) reuses the system torch $$($(PYTHON) -c 'import torch; print(torch.__version__)')"; \
@@ -28,7 +31,8 @@ $(STAMP): pyproject.toml Makefile
 		$(PY) -m pip install -q $(TORCH_PIN); }
 	@echo "set-up: installing this package (editable) with its extras $(EXTRAS)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
-	@[ -x $(VENV)/bin/pytest ] || $(PY) -m pip install -q --ignore-installed "pytest>=8"
+	@[ -x $(VENV)/bin/pytest ] || $(PY) -m pip install -q --ignore-installed "pytest>=8" \
+		"pytest-benchmark>=4" "pytest-xdist>=3"
 	@touch $(STAMP)
 	@echo "set-up: done; '. $(VENV)/bin/activate' puts its python and pytest first on PATH"
 
