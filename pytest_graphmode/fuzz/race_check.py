@@ -3,7 +3,9 @@
 The sim backend's happens-before checker (docs/backends.md, "The race checker") judges every
 access when it is issued, so a missing event wait, `wait_stream` or synchronization is reported at
 its first occurrence, whatever order the scheduler ran the streams in, and before it corrupts a
-value. A race is a root cause: the registry runs this check first. On cuda the backend has no
+value. A stream-ordered free (memory freed while another stream's queued work still uses it,
+without `record_stream`) is such a race too: its later access is the allocation that may be handed
+the block. A race is a root cause: the registry runs this check first. On cuda the backend has no
 checker and the check has nothing to judge.
 """
 
@@ -27,7 +29,11 @@ def no_stream_races(races: Sequence[Race]) -> list[Violation]:
             race.describe(),
             expected=f"{race.earlier.op} ({race.earlier.line}) ordered before "
             f"{race.later.op} ({race.later.line})",
-            actual=f"{race.earlier.stream} and {race.later.stream} not synchronized between them",
+            actual=(
+                f"the memory freed with {race.earlier.stream}'s use pending"
+                if race.cause
+                else f"{race.earlier.stream} and {race.later.stream} not synchronized between them"
+            ),
         )
         for race in races
     ]

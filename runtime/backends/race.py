@@ -31,11 +31,15 @@ class Race:
     byte_range: tuple[int, int]  # the shared bytes, relative to the storage
     earlier: RaceSide
     later: RaceSide
+    # Why nothing orders them, where it is more than a missing synchronization: the memory was
+    # freed and may be handed out again (a stream-ordered free without record_stream).
+    cause: str = ""
 
     def describe(self) -> str:
         lo, hi = self.byte_range
+        why = self.cause or "no event wait, wait_stream or synchronize orders them"
         return (
             f"stream race on {self.tensor}, bytes [{lo}, {hi}) of the storage at "
             f"0x{self.address:x}:\n  {self.earlier.describe()}\n  is not ordered before\n  "
-            f"{self.later.describe()}\n(no event wait, wait_stream or synchronize orders them)"
+            f"{self.later.describe()}\n({why})"
         )

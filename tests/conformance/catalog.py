@@ -5,6 +5,7 @@ from __future__ import annotations
 from tests.conformance import (
     cases_async,
     cases_capture,
+    cases_frees,
     cases_graph,
     cases_lifetime,
     cases_pools,
@@ -24,6 +25,7 @@ MODULES = (
     cases_streams,
     cases_async,
     cases_lifetime,
+    cases_frees,
 )
 
 

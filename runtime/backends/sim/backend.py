@@ -36,7 +36,8 @@ from pytest_graphmode.runtime.backends.sim.device import (
     SimDeviceTensor,
     mark_device,
 )
-from pytest_graphmode.runtime.backends.sim.happens_before import HOST, RaceChecker
+from pytest_graphmode.runtime.backends.sim.frees import StreamOrderedFrees, keeps_program_tensors
+from pytest_graphmode.runtime.backends.sim.happens_before import HOST, RaceChecker, Touch
 from pytest_graphmode.runtime.backends.sim.limits import check_runnable
 from pytest_graphmode.runtime.backends.sim.ops import OpFacts
 from pytest_graphmode.runtime.backends.sim.pool import SimCapturePool, SimPoolHandle, poison_
@@ -166,6 +167,9 @@ class SimBackend:
         self._placing: bool | None = None
         self._original_tolist: Callable[..., Any] | None = None
         self._races = RaceChecker()
+        self._frees = StreamOrderedFrees(
+            self._races, self._races.agent(self._default), self._pinned
+        )
 
     # -- activation ----------------------------------------------------------------------------
 
@@ -214,6 +218,7 @@ class SimBackend:
                     error = error or exc
             if self._active is None:
                 self._races.host_waits_for_all()
+                self._frees.host_passed_all()
             torch.Tensor.tolist = self._original_tolist  # type: ignore[method-assign]
             self._mode.__exit__(None, None, None)
             self._mode = None
@@ -268,6 +273,11 @@ class SimBackend:
         self._forbid_in_capture("synchronize()")
         self.scheduler.drain_all()
         self._races.host_waits_for_all()
+        self._frees.host_passed_all()
+
+    def record_stream(self, t: torch.Tensor, stream: SimStream) -> None:
+        """`t.record_stream(stream)` (frees.py)."""
+        self._frees.record_stream(t, self._races.agent(stream))
 
     def take_races(self) -> list[Race]:
         """The stream races the happens-before checker found since the last call, first found
@@ -525,9 +535,9 @@ class SimBackend:
                 touched.append((storage, fp, write))
         races = self._races
         reads_pinned = any(not write and fp.storage in self._pinned for _, fp, write in touched)
-        accesses = races.access(
-            races.agent(self._current), touched, "graph replay", keep=reads_pinned
-        )
+        agent = races.agent(self._current)
+        accesses = races.access(agent, touched, "graph replay", keep=reads_pinned)
+        self._note_uses(self._current, agent, touched, "graph replay")
         pinned = [storage for storage, _, _ in touched] if accesses else []
         watches = self._watch_pinned_reads(accesses, pinned)
 
@@ -560,7 +570,19 @@ class SimBackend:
             located = footprint.of(t)
             if located is not None:
                 found.append((located[0], located[1], write))
-        return races.access(HOST if stream is None else races.agent(stream), found, op, keep=keep)
+        if stream is None:
+            return races.access(HOST, found, op, keep=keep)
+        agent = races.agent(stream)
+        accesses = races.access(agent, found, op, keep=keep)
+        self._note_uses(stream, agent, found, op)
+        return accesses
+
+    def _note_uses(self, stream: SimStream, agent: int, touched: list[Touch], op: str) -> None:
+        """Tell the free tracker which storages a device operation issued now touches, where one
+        may be another stream's memory: always off the default stream, on it only while memory
+        allocated elsewhere lives."""
+        if stream is not self._default or self._frees.side_allocations:
+            self._frees.used(agent, touched, op)
 
     def _note_call(
         self,
@@ -593,7 +615,12 @@ class SimBackend:
             if located is not None:
                 found.append((located[0], located[1], True))
         races = self._races
-        races.access(HOST if stream is None else races.agent(stream), found, op.name)
+        if stream is None:
+            races.access(HOST, found, op.name)
+            return
+        agent = races.agent(stream)
+        races.access(agent, found, op.name)
+        self._note_uses(stream, agent, found, op.name)
 
     def _after_watches(self, watches: list[Any], run: Callable[[], Any]) -> Callable[[], None]:
         """Queued work that first judges its watched pinned reads (host writes torch could not
@@ -677,7 +704,13 @@ class SimBackend:
             accesses = self._note(stream, touched, "aten.copy_", keep=upload)
             reads = [access for access in accesses if not access.write]
             watches = self._watch_pinned_reads(reads, [src.untyped_storage()] * len(reads))
-            copy = self._after_watches(watches, lambda: dst.copy_(src))
+            (held_dst, held_src), held = self._held((dst, src))
+            copy = self._after_watches(
+                watches,
+                _queued_call(
+                    ops.aten.copy_.default, (held_dst, held_src), {}, {}, held, self._frees
+                ),
+            )
             self.scheduler.enqueue(stream, new_work(copy, "async copy"))
             return dst
         # A blocking copy, or one with pageable memory: in stream order on the current stream,
@@ -711,6 +744,7 @@ class SimBackend:
                     )
                 result = func(*args, **kwargs)  # not part of the capture: runs at once
                 self._note_call(stream, op, args, kwargs, result, tensors)
+                self._note_allocation(stream, op, result)
                 return result
             self._check_seed(active)
             active.ops_on[stream] += 1
@@ -718,10 +752,14 @@ class SimBackend:
                 active.unjoined[stream] = True
             return active.capture.record(op, args, kwargs)
         self.scheduler.maybe_progress()
+        if op.allocates and self._frees.watched:
+            self._before_allocation(stream, op)
         if ops.capture_violation(op, args, kwargs) is not None:
             self._note(stream, ops.touched(op, args, kwargs, ()), op.name)
             self._host_waits_for(stream)  # a host read: it waits for the stream
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+            self._note_allocation(stream, op, result)
+            return result
         if stream is self._default:
             self.scheduler.drain(stream)
             result = func(*args, **kwargs)
@@ -743,8 +781,12 @@ class SimBackend:
         """Queue an operation on a side stream; its fresh outputs are poison until it runs.
         `tensors`: its tensor arguments, when the caller has them (ops.touched)."""
         func = op.func
+        agent = self._races.agent(stream)
         if op.quiet:
-            return func(*args, **kwargs)  # metadata or allocation only: nothing to order
+            result = func(*args, **kwargs)  # metadata or allocation only: nothing to order
+            if op.empty:
+                self._frees.allocated(agent, result)
+            return result
         positions = op.fresh_positions
         metas = ops.meta_outputs(op, args, kwargs) if positions else []
         fresh = {}
@@ -752,17 +794,41 @@ class SimBackend:
             out = torch.empty_strided(metas[p].shape, metas[p].stride, dtype=metas[p].dtype)
             poison_(out)
             fresh[p] = out
-
-        def run() -> None:
-            result = func(*args, **kwargs)
-            results = result if isinstance(result, tuple | list) else [result]
-            for p, out in fresh.items():
-                out.copy_(results[p])
+        if fresh:
+            self._frees.allocated(agent, list(fresh.values()))
 
         touched = ops.touched(op, args, kwargs, list(fresh.values()), tensors)
         self._note(stream, touched, op.name)
+        if keeps_program_tensors(op.name):
+            run = _queued_call(func, args, kwargs, fresh, [], self._frees)
+        else:
+            (args_held, kwargs_held, fresh_held), held = self._held((args, kwargs, fresh))
+            run = _queued_call(func, args_held, kwargs_held, fresh_held, held, self._frees)
         self.scheduler.enqueue(stream, new_work(lambda: self._internal(run), op.name))
         return ops.assemble_returns(op, args, kwargs, fresh)
+
+    def _note_allocation(self, stream: SimStream, op: OpFacts, result: Any) -> None:
+        """Memory allocated by an operation that ran at once on `stream` belongs to `stream`
+        (the default stream's needs no note: it is what memory belongs to unless noted)."""
+        if op.allocates and stream is not self._default:
+            fresh = ops.fresh_outputs(op, result)
+            if fresh:
+                self._frees.allocated(self._races.agent(stream), fresh)
+
+    def _held(self, what: tuple[Any, ...]) -> tuple[Any, list[int]]:
+        """What queued work holds of `what`: aliases of its tensors, never the program's own,
+        so that the program's frees stay visible (frees.py); and the storages to release."""
+        # Torch's own detach, past the sim's modes: an alias is no operation of the program.
+        with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+            return self._frees.hold(what)
+
+    def _before_allocation(self, stream: SimStream, op: OpFacts) -> None:
+        """An allocation issued on `stream`: memory freed while another stream still used it,
+        without an order or record_stream, may be handed out now; it is overwritten as the new
+        owner would."""
+        freed = self._frees.freed_before_allocation(self._races.agent(stream), op.name)
+        for storage in freed:
+            self._internal(functools.partial(_overwrite, storage))
 
     def _check_host_operands(
         self, op: OpFacts, args: tuple[Any, ...], host: list[torch.Tensor]
@@ -789,6 +855,36 @@ def _check_host_operands(op: OpFacts, host: list[torch.Tensor]) -> None:
                 f"{SIM_DEVICE} and cpu! ({op.name} got a host tensor of shape "
                 f"{list(t.shape)}: copy it to the device first)"
             )
+
+
+def _queued_call(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    fresh: dict[int, torch.Tensor],
+    held: list[int],
+    frees: StreamOrderedFrees,
+) -> Callable[[], None]:
+    """Queued device work: run `func` and copy its fresh results into the outputs handed out when
+    it was issued, then release the storages its aliases hold (`held`). Holds only what it is
+    given (never the issuing frame)."""
+
+    def run() -> None:
+        try:
+            result = func(*args, **kwargs)
+            results = result if isinstance(result, tuple | list) else [result]
+            for p, out in fresh.items():
+                out.copy_(results[p])
+        finally:
+            frees.release(held)
+
+    return run
+
+
+def _overwrite(storage: torch.UntypedStorage) -> None:
+    """Every byte of `storage` set to 0xFF (NaN in floating point, -1 in integers): what an
+    allocation handed a freed block may write before queued work reads it."""
+    torch.empty(0, dtype=torch.uint8).set_(storage).fill_(255)
 
 
 def _baked(x: Any) -> Any:

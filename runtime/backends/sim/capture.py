@@ -184,7 +184,12 @@ def _dropped_by_the_program(storage: torch.UntypedStorage) -> bool:
     """Whether no tensor refers to the memory any more: it lives on only because a replay issued
     before the program freed it holds its storage object until it has run (`Program.check_alive`).
     """
-    return torch._C._storage_Use_Count(storage._cdata) < _ONE_TENSOR_COUNT
+    return storage_tensor_count(storage) < 1
+
+
+def storage_tensor_count(storage: torch.UntypedStorage) -> int:
+    """How many tensors refer to `storage`, asked through its storage object."""
+    return int(torch._C._storage_Use_Count(storage._cdata)) - _ONE_TENSOR_COUNT + 1
 
 
 def _one_tensor_count() -> int:

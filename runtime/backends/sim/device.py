@@ -58,14 +58,14 @@ class SimDeviceTensor(torch.Tensor):
 
     def record_stream(self, stream: Any) -> None:
         """On CUDA: keep the caching allocator from handing this tensor's block to other work
-        until what `stream` has queued so far is done. On the sim, queued work holds the tensors
-        it uses, and freed memory goes back to the CPU allocator, not to a stream: there is
-        nothing to delay. (torch's own method would refuse the sim's stream before any mode saw
-        the call.)"""
+        until what `stream` has queued up to the free is done. On the sim: the free tracker
+        (frees.py) takes `stream`'s uses of this memory as ordered before its reuse. (torch's own
+        method would refuse the sim's stream before any mode saw the call.)"""
         from pytest_graphmode.runtime.backends.sim.streams import SimStream
 
         if not isinstance(stream, SimStream):
             raise TypeError(f"record_stream: expected a stream of the sim, got {stream!r}")
+        stream._backend.record_stream(self, stream)
 
 
 class SimDeviceParameter(SimDeviceTensor, torch.nn.Parameter):

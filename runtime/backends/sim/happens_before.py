@@ -159,6 +159,32 @@ class RaceChecker:
                 for clock in self._clocks.values():
                     clock.pop(sid, None)
 
+    def epoch(self, agent: int) -> int:
+        """The epoch of `agent`'s latest operation."""
+        return self._clocks[agent].get(agent, 0)
+
+    def ordered(self, earlier: int, epoch: int, agent: int) -> bool:
+        """Whether `earlier`'s operation of `epoch` is ordered before what `agent` issues now."""
+        return (
+            self._clocks[agent].get(earlier, 0) >= epoch
+            or self._clocks[HOST].get(earlier, 0) >= epoch
+        )
+
+    def passed(self, agent: int, epoch: int) -> bool:
+        """Whether the host has waited for `agent`'s operation of `epoch`."""
+        return self._clocks[HOST].get(agent, 0) >= epoch
+
+    def name(self, agent: int) -> str:
+        return self._names.get(agent, f"stream #{agent}")
+
+    def report(self, race: Race) -> None:
+        """A race found outside the access histories (a stream-ordered free, frees.py)."""
+        key = (race.earlier.op, race.earlier.line, race.later.op, race.later.line)
+        if key in self._seen or len(self._found) >= _KEPT:
+            return
+        self._seen.add(key)
+        self._found.append(race)
+
     # -- accesses ---------------------------------------------------------------------------------
 
     def access(
