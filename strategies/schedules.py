@@ -323,6 +323,32 @@ def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
     ]
 
 
+def first_partial_bucket(spec: TargetSpec) -> list[StepPlan]:
+    """The simplest schedule in which a graph captured with a padding row replays a full batch,
+    and then a batch with a padding row again. A campaign runs it as its third example, after
+    `first_phase_change`, on the same twins.
+
+    With n = min(4, the most requests a step may hold): n - 1 requests with one-token prompts are
+    admitted and decode together (a graph of n rows captured for n - 1 of them, with captured sizes
+    1, 2, 4, ...); the n-th request is admitted (sampled, where the spec samples) and the n decode
+    together, on that graph; then n - 1 of them again, rows rotated. A value the runner read on the
+    host at capture (the rows a kernel appends to the cache, whether any row samples) replays for
+    the full batch as it was for the partial one, and a padding row the runner does not reset
+    keeps the full batch's last row. A random schedule seldom grows a batch within one captured
+    size, with the batch it was captured for as its first. Empty where a step holds one request."""
+    n = min(4, spec.max_num_reqs)
+    if n < 2:
+        return []
+    sampled = Arrival(prompt_len=1, seed=2 if "sampling" in spec.features else None)
+    return [
+        StepPlan(kind="prefill", rows=n - 1, arrivals=(Arrival(prompt_len=1),) * (n - 1)),
+        StepPlan(kind="decode", rows=n - 1),
+        StepPlan(kind="prefill", rows=1, arrivals=(sampled,)),
+        StepPlan(kind="decode", rows=n),
+        StepPlan(kind="decode", rows=n - 1, rotate=1),
+    ]
+
+
 @st.composite
 def batch_lists(draw: st.DrawFn, spec: TargetSpec, max_steps: int = 12) -> list[Batch]:
     """Consecutive legal batches for one fresh target (stressors left out), for `@given` tests

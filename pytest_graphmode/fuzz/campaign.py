@@ -36,7 +36,12 @@ from pytest_graphmode.fuzz.registry import NO_DEVICE_FAULT, is_device_fault
 from pytest_graphmode.settings import hypothesis_settings, resolve_backend
 from pytest_graphmode.strategies.plans import StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
-from pytest_graphmode.strategies.schedules import first_pair, first_phase_change, schedules
+from pytest_graphmode.strategies.schedules import (
+    first_pair,
+    first_partial_bucket,
+    first_phase_change,
+    schedules,
+)
 
 
 def target_spec(factory: TargetFactory, backend: str) -> TargetSpec:
@@ -120,10 +125,11 @@ def run_campaign(
     shrunk. `shrink_seconds` bounds the shrinking (None: Hypothesis shrinks until done; 0: the
     failure is reported as found). `on_example(seed, events)` is called before each example runs.
     `pipelined=False` leaves pipelined pairs out of the schedules (docs/contract.md): every step
-    then runs in lockstep, each read before the next is sent; else the campaign's first two
+    then runs in lockstep, each read before the next is sent; else the campaign's first three
     examples are fixed schedules, counted among its examples: the simplest pipelined pair
     (`first_pair`), then a graph replay paired with an eager prefill, a weight update before
-    replays, the longest context and a speculative step (`first_phase_change`). `seconds` is a time
+    replays, the longest context and a speculative step (`first_phase_change`), then a graph
+    captured with a padding row replaying a full batch and a padded one (`first_partial_bucket`). `seconds` is a time
     budget: once that many seconds have passed since the campaign started, no new example starts
     and the campaign ends as passed (a failure found before is shrunk as always, within
     `shrink_seconds`); `max_examples` still caps the count. `cpu_threads`: torch's intra-op
@@ -141,7 +147,9 @@ def run_campaign(
     stats.planned_examples = 0 if seconds is not None else chosen.max_examples
     stats.time_budget_seconds = seconds
     leading = (
-        [first_pair(), first_phase_change(spec)][: chosen.max_examples]
+        [p for p in (first_pair(), first_phase_change(spec), first_partial_bucket(spec)) if p][
+            : chosen.max_examples
+        ]
         if pipelined and hypothesis.Phase.explicit in chosen.phases
         else []
     )
@@ -267,9 +275,9 @@ def _after_leading_examples(chosen: hypothesis.settings, leading: int) -> hypoth
 
 LEADING = (
     "shrinking skipped: this is one of the campaign's leading examples, fixed schedules it runs "
-    "before any drawn one (the simplest pipelined pair, then a replay paired with a prefill, a "
-    "weight update, the longest context and a speculative step), and its replay ends at the "
-    "failing step"
+    "before any drawn one (the simplest pipelined pair; a replay paired with a prefill, a "
+    "weight update, the longest context and a speculative step; a graph captured with a padding "
+    "row replaying a full batch), and its replay ends at the failing step"
 )
 
 NOT_REPEATED = (

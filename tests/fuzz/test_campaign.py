@@ -21,7 +21,11 @@ from pytest_graphmode.fuzz import CHECKS, CampaignStats, GraphmodeFailure, run_c
 from pytest_graphmode.fuzz.isolation import NO_DEVICE_FAULT
 from pytest_graphmode.fuzz.registry import RANK_CHECKS
 from pytest_graphmode.strategies.plans import Stress
-from pytest_graphmode.strategies.schedules import DELAY_CYCLES, first_phase_change
+from pytest_graphmode.strategies.schedules import (
+    DELAY_CYCLES,
+    first_partial_bucket,
+    first_phase_change,
+)
 from tests.fuzz import toy
 
 
@@ -154,11 +158,12 @@ def test_a_time_budget_runs_hypothesis_in_rounds_with_the_leading_examples_once(
         on_example=lambda _, e: seen.append(e),
     )
     assert stats.examples == len(seen) == rounds + 5 and not stats.stopped_by_time_budget
-    # Only the first round starts with the two leading examples; later rounds draw as a fresh
+    # Only the first round starts with the three leading examples; later rounds draw as a fresh
     # ci-sized run.
-    assert [i for i, events in enumerate(seen) if events == seen[0]] == [0]
-    assert [i for i, events in enumerate(seen) if events == seen[1]] == [1]
+    for i in range(3):
+        assert [j for j, events in enumerate(seen) if events == seen[i]] == [i]
     assert sum(isinstance(e, Batch) for e in seen[1]) == len(first_phase_change(toy.SPEC))
+    assert sum(isinstance(e, Batch) for e in seen[2]) == len(first_partial_bucket(toy.SPEC))
 
 
 def test_a_failure_is_shrunk_and_reported_though_the_time_budget_is_spent():

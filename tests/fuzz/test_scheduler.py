@@ -161,3 +161,26 @@ def test_a_swarms_step_strategies_are_built_once_not_once_per_step():
     swarms_drawn = schedules_module._plan_lists.cache_info().misses
     assert swarms_drawn <= built.misses <= 2 * swarms_drawn
     assert built.hits > 3 * built.misses  # most steps reuse their swarm's strategies
+
+
+@pytest.mark.parametrize("spec", [SPEC, DECODE_ONLY, TIGHT], ids=["full", "decode", "tight"])
+def test_the_partial_bucket_schedule_grows_a_batch_within_one_captured_size(spec):
+    events = compile_schedule(spec, schedules_module.first_partial_bucket(spec), seed=0)
+    batches = [e for e in events if isinstance(e, Batch)]
+    assert all(batch_problems(b, spec) == [] for b in batches)
+    n = min(4, spec.max_num_reqs)
+    rows = [len(b.requests) for b in batches]
+    assert rows == [n - 1, n - 1, 1, n, n - 1], rows
+    # the full batch is the partial one's requests and one more, and the last is padded again
+    partial, joined, full, padded = batches[1], batches[2], batches[3], batches[4]
+    ids = [r.req_id for r in partial.requests]
+    assert [r.req_id for r in full.requests] == [*ids, joined.requests[0].req_id]
+    assert set(r.req_id for r in padded.requests) < set(r.req_id for r in full.requests)
+    assert all(len(r.tokens) == 1 for b in batches[1:] for r in b.requests if r.context_len)
+    sampled = joined.requests[0].seed is not None
+    assert sampled == ("sampling" in spec.features)
+
+
+def test_the_partial_bucket_schedule_is_empty_where_a_step_holds_one_request():
+    single = dataclasses.replace(SPEC, max_num_reqs=1)
+    assert schedules_module.first_partial_bucket(single) == []
