@@ -704,7 +704,7 @@ class SimBackend:
             accesses = self._note(stream, touched, "aten.copy_", keep=upload)
             reads = [access for access in accesses if not access.write]
             watches = self._watch_pinned_reads(reads, [src.untyped_storage()] * len(reads))
-            (held_dst, held_src), held = self._held((dst, src), stream)
+            (held_dst, held_src), held = self._held((dst, src))
             copy = self._after_watches(
                 watches,
                 _queued_call(
@@ -752,21 +752,16 @@ class SimBackend:
                 active.unjoined[stream] = True
             return active.capture.record(op, args, kwargs)
         self.scheduler.maybe_progress()
-        if op.allocates and self._frees.watched and stream is not self._default:
+        if op.allocates and self._frees.watched:
             self._before_allocation(stream, op)
         if ops.capture_violation(op, args, kwargs) is not None:
             self._note(stream, ops.touched(op, args, kwargs, ()), op.name)
             self._host_waits_for(stream)  # a host read: it waits for the stream
-            if op.allocates and self._frees.watched and stream is self._default:
-                self._before_allocation(stream, op)
             result = func(*args, **kwargs)
             self._note_allocation(stream, op, result)
             return result
         if stream is self._default:
             self.scheduler.drain(stream)
-            if op.allocates and self._frees.watched:
-                # After the drain: the default stream's queued work no longer holds anything.
-                self._before_allocation(stream, op)
             result = func(*args, **kwargs)
             self._note_call(stream, op, args, kwargs, result, tensors)
             return result
@@ -807,7 +802,7 @@ class SimBackend:
         if keeps_program_tensors(op.name):
             run = _queued_call(func, args, kwargs, fresh, [], self._frees)
         else:
-            (args_held, kwargs_held, fresh_held), held = self._held((args, kwargs, fresh), stream)
+            (args_held, kwargs_held, fresh_held), held = self._held((args, kwargs, fresh))
             run = _queued_call(func, args_held, kwargs_held, fresh_held, held, self._frees)
         self.scheduler.enqueue(stream, new_work(lambda: self._internal(run), op.name))
         return ops.assemble_returns(op, args, kwargs, fresh)
@@ -820,12 +815,12 @@ class SimBackend:
             if fresh:
                 self._frees.allocated(self._races.agent(stream), fresh)
 
-    def _held(self, what: tuple[Any, ...], stream: SimStream) -> tuple[Any, list[int]]:
-        """What work queued on `stream` holds of `what`: aliases of other streams' memory, so
-        that the program's frees of it stay visible (frees.py); and the storages to release."""
+    def _held(self, what: tuple[Any, ...]) -> tuple[Any, list[int]]:
+        """What queued work holds of `what`: aliases of its tensors, never the program's own,
+        so that the program's frees stay visible (frees.py); and the storages to release."""
         # Torch's own detach, past the sim's modes: an alias is no operation of the program.
         with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
-            return self._frees.hold(what, self._races.agent(stream))
+            return self._frees.hold(what)
 
     def _before_allocation(self, stream: SimStream, op: OpFacts) -> None:
         """An allocation issued on `stream`: memory freed while another stream still used it,

@@ -170,17 +170,13 @@ class StreamOrderedFrees:
 
     # -- what queued work holds ------------------------------------------------------------------
 
-    def hold(self, what: Any, agent: int) -> tuple[Any, list[int]]:
-        """`what` (arguments in tuples, lists and dicts), as work queued on `agent` holds it, and
-        the storages its aliases hold, to give back with `release` once the work ran. Memory of
-        another stream than `agent` is held through aliases. Memory of `agent` itself is held as
-        the program's tensors: freeing it while `agent` still has it queued is no hazard, and the
-        allocation that would reuse it comes after that work in `agent`'s order (the default
-        stream's queue runs before the allocation is judged; another stream's delays the report
-        to a later allocation). Call it past the sim's modes: an alias is no operation of the
+    def hold(self, what: Any) -> tuple[Any, list[int]]:
+        """`what` (arguments in tuples, lists and dicts) with every tensor replaced by an alias,
+        and the storages the aliases hold: queued work holds these, and gives them back with
+        `release` once it ran. Call it past the sim's modes: an alias is no operation of the
         program."""
         addresses: list[int] = []
-        return self._aliased(what, addresses, agent), addresses
+        return self._aliased(what, addresses), addresses
 
     def release(self, addresses: list[int]) -> None:
         """Queued work that held aliases of these storages ran (`hold`)."""
@@ -192,23 +188,19 @@ class StreamOrderedFrees:
             else:
                 held.pop(address, None)
 
-    def _aliased(self, x: Any, addresses: list[int], agent: int) -> Any:
+    def _aliased(self, x: Any, addresses: list[int]) -> Any:
         if isinstance(x, _TensorBase):
-            storage = x.untyped_storage()
-            address = storage.data_ptr()
-            if self.allocated_on(storage, address) == agent:
-                return x
+            alias = x.detach()
+            address = alias.untyped_storage().data_ptr()
             self._held[address] = self._held.get(address, 0) + 1
             addresses.append(address)
-            return x.detach()
-        if type(x) is tuple or type(x) is list:
-            if not x:
-                return x
+            return alias
+        if isinstance(x, list | tuple):
             return type(x)(
-                [self._aliased(i, addresses, agent) if isinstance(i, _NESTED) else i for i in x]
+                [self._aliased(i, addresses) if isinstance(i, _NESTED) else i for i in x]
             )
-        if type(x) is dict:
-            return {k: self._aliased(v, addresses, agent) for k, v in x.items()} if x else x
+        if isinstance(x, dict):
+            return {k: self._aliased(v, addresses) for k, v in x.items()} if x else x
         return x
 
     # -- allocations -----------------------------------------------------------------------------
