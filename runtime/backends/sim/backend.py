@@ -36,7 +36,7 @@ from pytest_graphmode.runtime.backends.sim.device import (
     SimDeviceTensor,
     mark_device,
 )
-from pytest_graphmode.runtime.backends.sim.frees import StreamOrderedFrees, keeps_program_tensors
+from pytest_graphmode.runtime.backends.sim.frees import StreamOrderedFrees
 from pytest_graphmode.runtime.backends.sim.happens_before import HOST, RaceChecker, Touch
 from pytest_graphmode.runtime.backends.sim.limits import check_runnable
 from pytest_graphmode.runtime.backends.sim.ops import OpFacts
@@ -564,17 +564,24 @@ class SimBackend:
     ) -> list[Any]:
         """Tell the race checker what an operation issued now touches; stream None: the host.
         `keep`: judge and record now, and return the accesses (see RaceChecker.access)."""
-        races = self._races
         found = []
         for t, write in touched:
             located = footprint.of(t)
             if located is not None:
                 found.append((located[0], located[1], write))
+        return self._access(stream, found, op, keep=keep)
+
+    def _access(
+        self, stream: SimStream | None, touched: list[Touch], op: str, *, keep: bool = False
+    ) -> list[Any]:
+        """An operation issued now on `stream` (None: the host) touches these bytes: judged by the
+        race checker, and, on a stream, noted by the free tracker."""
+        races = self._races
         if stream is None:
-            return races.access(HOST, found, op, keep=keep)
+            return races.access(HOST, touched, op, keep=keep)
         agent = races.agent(stream)
-        accesses = races.access(agent, found, op, keep=keep)
-        self._note_uses(stream, agent, found, op)
+        accesses = races.access(agent, touched, op, keep=keep)
+        self._note_uses(stream, agent, touched, op)
         return accesses
 
     def _note_uses(self, stream: SimStream, agent: int, touched: list[Touch], op: str) -> None:
@@ -614,13 +621,7 @@ class SimBackend:
             located = of(t)
             if located is not None:
                 found.append((located[0], located[1], True))
-        races = self._races
-        if stream is None:
-            races.access(HOST, found, op.name)
-            return
-        agent = races.agent(stream)
-        races.access(agent, found, op.name)
-        self._note_uses(stream, agent, found, op.name)
+        self._access(stream, found, op.name)
 
     def _after_watches(self, watches: list[Any], run: Callable[[], Any]) -> Callable[[], None]:
         """Queued work that first judges its watched pinned reads (host writes torch could not
@@ -799,7 +800,7 @@ class SimBackend:
 
         touched = ops.touched(op, args, kwargs, list(fresh.values()), tensors)
         self._note(stream, touched, op.name)
-        if keeps_program_tensors(op.name):
+        if op.changes_metadata:
             run = _queued_call(func, args, kwargs, fresh, [], self._frees)
         else:
             (args_held, kwargs_held, fresh_held), held = self._held((args, kwargs, fresh))

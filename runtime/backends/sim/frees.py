@@ -34,24 +34,6 @@ from pytest_graphmode.runtime.backends.sim.capture import storage_tensor_count
 from pytest_graphmode.runtime.backends.sim.footprint import Footprint, format_line, source_line
 from pytest_graphmode.runtime.backends.sim.happens_before import RaceChecker, Touch
 
-# In-place operations that change a tensor's shape or storage rather than its bytes: queued, they
-# must run on the program's own tensor, so they keep it (and its memory is never taken for freed
-# while they are queued).
-_METADATA_OPS = frozenset(
-    {
-        "aten.resize_",
-        "aten.resize_as_",
-        "aten.set_",
-        "aten.as_strided_",
-        "aten.squeeze_",
-        "aten.unsqueeze_",
-        "aten.transpose_",
-        "aten.t_",
-        "aten.swapdims_",
-        "aten.swapaxes_",
-    }
-)
-
 # Allocations noted on streams other than the default one before those since freed are forgotten
 # (a device synchronize forgets them too).
 _SIDE = 4096
@@ -59,17 +41,6 @@ _SIDE = 4096
 # ones every use of which the host has passed are swept.
 _WATCHED = 1024
 
-
-def keeps_program_tensors(op_name: str) -> bool:
-    """Whether queued work of `op_name` (`aten.resize_.default`) must hold the program's tensors,
-    not aliases."""
-    keeps = _KEEPS.get(op_name)
-    if keeps is None:
-        keeps = _KEEPS[op_name] = ".".join(op_name.split(".")[:2]) in _METADATA_OPS
-    return keeps
-
-
-_KEEPS: dict[str, bool] = {}
 
 # What `hold` looks into (torch.Tensor's own isinstance check is a Python call).
 _TensorBase = torch._C.TensorBase
@@ -220,12 +191,12 @@ class StreamOrderedFrees:
                 if not self._races.ordered(use.agent, use.epoch, agent)
                 and not self._recorded_for(watched.storage, address, use.agent)
             ]
-            held = self._program_holds(watched.storage, address)
-            if held and unordered:
+            if not unordered:  # every use is ordered before any reuse: nothing to watch
+                del self.watched[address]
+                continue
+            if self._program_holds(watched.storage, address):
                 continue
             del self.watched[address]
-            if held or not unordered:
-                continue
             if line is None:
                 line = source_line()
             for use in unordered:

@@ -165,10 +165,7 @@ class RaceChecker:
 
     def ordered(self, earlier: int, epoch: int, agent: int) -> bool:
         """Whether `earlier`'s operation of `epoch` is ordered before what `agent` issues now."""
-        return (
-            self._clocks[agent].get(earlier, 0) >= epoch
-            or self._clocks[HOST].get(earlier, 0) >= epoch
-        )
+        return self._clocks[agent].get(earlier, 0) >= epoch or self.passed(earlier, epoch)
 
     def passed(self, agent: int, epoch: int) -> bool:
         """Whether the host has waited for `agent`'s operation of `epoch`."""
@@ -177,13 +174,16 @@ class RaceChecker:
     def name(self, agent: int) -> str:
         return self._names.get(agent, f"stream #{agent}")
 
-    def report(self, race: Race) -> None:
-        """A race found outside the access histories (a stream-ordered free, frees.py)."""
+    def report(self, race: Race) -> bool:
+        """Keep `race` for `take()`, unless its pair of lines was reported already or enough
+        races are kept: whether it was kept. Also for races found outside the access histories
+        (a stream-ordered free, frees.py)."""
         key = (race.earlier.op, race.earlier.line, race.later.op, race.later.line)
         if key in self._seen or len(self._found) >= _KEPT:
-            return
+            return False
         self._seen.add(key)
         self._found.append(race)
+        return True
 
     # -- accesses ---------------------------------------------------------------------------------
 
@@ -325,21 +325,16 @@ class RaceChecker:
     def _side(self, access: _Access) -> RaceSide:
         return RaceSide(
             access.op,
-            self._names.get(access.agent, f"stream #{access.agent}"),
+            self.name(access.agent),
             format_line(access.line),
             "write" if access.write else "read",
         )
 
     def _report(self, old: _Access, fp: Footprint, later: RaceSide, span: tuple[int, int]) -> None:
-        earlier = self._side(old)
-        key = (earlier.op, earlier.line, later.op, later.line)
-        if key in self._seen or len(self._found) >= _KEPT:
-            return
-        self._seen.add(key)
-        if old.watch is not None:
-            self._drop(old.watch)  # one report per queued read
         shown = fp if fp.dtype is not None else old.fp
-        self._found.append(Race(shown.describe(), shown.storage, span, earlier, later))
+        race = Race(shown.describe(), shown.storage, span, self._side(old), later)
+        if self.report(race) and old.watch is not None:
+            self._drop(old.watch)  # one report per queued read
 
 
 def _join(into: Clock, other: Clock) -> None:

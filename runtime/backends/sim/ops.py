@@ -59,6 +59,21 @@ def op_name(func: Any) -> str:
     return f"aten.{func.__name__}" if hasattr(func, "__name__") else str(func)
 
 
+_METADATA_OPS = frozenset(
+    {
+        aten.resize_,
+        aten.resize_as_,
+        aten.set_,
+        aten.as_strided_,
+        aten.squeeze_,
+        aten.unsqueeze_,
+        aten.transpose_,
+        aten.t_,
+        aten.swapdims_,
+        aten.swapaxes_,
+    }
+)
+
 # Operations whose capture legality also depends on their arguments (`capture_violation`).
 _ARGUMENT_CHECKED = {
     aten.repeat_interleave.Tensor,
@@ -80,6 +95,7 @@ class OpFacts:
     __slots__ = (
         "allocates",
         "argument_checked",
+        "changes_metadata",
         "constant",
         "empty",
         "fresh_positions",
@@ -123,6 +139,9 @@ class OpFacts:
         self.indexing = func in INDEXING
         self.constant = func in CONSTANT_OPS
         self.is_copy = func is aten.copy_.default
+        # In place, it changes a tensor's shape or storage rather than its bytes: queued, it must
+        # run on the program's own tensor (frees.py holds other work's tensors through aliases).
+        self.changes_metadata = getattr(func, "overloadpacket", None) in _METADATA_OPS
         # Whether the CPU can run it, asked of device operations only (limits.check_runnable):
         # None until then.
         self.runnable: bool | None = None
