@@ -1,6 +1,6 @@
 """Hypothesis strategies for step plans and whole schedules, derived from a `TargetSpec`.
 
-Row counts are drawn mostly next to capture sizes (c - 1, c, c + 1), so consecutive steps cross
+Row counts are drawn mostly next to capture sizes (c - 2 to c + 1), so consecutive steps cross
 bucket boundaries in both directions (3 -> 9 -> 2 requests) and most steps have padding rows;
 prompt lengths sit often on a block boundary or at the per-request block limit (the longest
 context a request may have), and prompt lengths and chunks reach past the largest capture size,
@@ -36,10 +36,19 @@ def _capacity(spec: TargetSpec) -> int:
     return min(spec.max_blocks_per_req, spec.num_blocks - 1) * spec.block_size
 
 
+def boundary_row_counts(spec: TargetSpec) -> list[int]:
+    """The request counts next to each capture size c, with 1 and the most a step may hold: c + 1
+    (the next bucket up, or the eager path), c (no padding), c - 1 (one padding row) and c - 2
+    (two). Two padding rows are the fewest in which a padding row follows another: a value a
+    padding row takes from the row before it (where its queries start, for one) then comes from
+    padding, which a runner may have left as an earlier, larger batch wrote it."""
+    edges = {c + d for c in spec.capture_sizes for d in (-2, -1, 0, 1)} | {1, spec.max_num_reqs}
+    return sorted(n for n in edges if 1 <= n <= spec.max_num_reqs)
+
+
 def row_counts(spec: TargetSpec) -> st.SearchStrategy[int]:
-    """Request counts, mostly on and next to bucket boundaries."""
-    edges = {c + d for c in spec.capture_sizes for d in (-1, 0, 1)} | {1, spec.max_num_reqs}
-    near = sorted(n for n in edges if 1 <= n <= spec.max_num_reqs)
+    """Request counts, half of them from `boundary_row_counts`."""
+    near = boundary_row_counts(spec)
     return st.one_of(st.sampled_from(near), st.integers(1, spec.max_num_reqs))
 
 

@@ -122,6 +122,12 @@ def test_row_counts_sit_on_both_sides_of_every_bucket_boundary():
     assert {1, 2, 3, 4, 5} <= seen
 
 
+def test_boundary_row_counts_leave_up_to_two_padding_rows_or_cross_into_the_next_bucket():
+    wide = dataclasses.replace(SPEC, capture_sizes=(1, 2, 4, 8, 16), max_num_reqs=16)
+    # 6 and 14 leave two padding rows in the buckets of 8 and 16; 9 and 15 cross or leave one
+    assert schedules_module.boundary_row_counts(wide) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 14, 15, 16]
+
+
 def test_stress_events_precede_their_step():
     stress = Stress(churn=2)
     events = compile_schedule(SPEC, [StepPlan("decode", rows=1, stress=stress)])
