@@ -35,6 +35,7 @@ ON_CUDA = {
     "kv_append_on_unforked_stream": "replay_matches_eager",
     "kv_append_count_baked": "replay_matches_eager",
     "graph_key_without_kv_blocks": "replay_matches_eager",
+    "query_start_loc_tail_stale": "replay_matches_eager",
 }
 
 
