@@ -178,11 +178,18 @@ class RaceChecker:
         """Keep `race` for `take()`, unless its pair of lines was reported already or enough
         races are kept: whether it was kept. Also for races found outside the access histories
         (a stream-ordered free, frees.py)."""
-        key = (race.earlier.op, race.earlier.line, race.later.op, race.later.line)
+        if not self._first(race.earlier, race.later):
+            return False
+        self._found.append(race)
+        return True
+
+    def _first(self, earlier: RaceSide, later: RaceSide) -> bool:
+        """Whether a race between these two lines is the first reported, and room is left for it
+        (then it counts as reported)."""
+        key = (earlier.op, earlier.line, later.op, later.line)
         if key in self._seen or len(self._found) >= _KEPT:
             return False
         self._seen.add(key)
-        self._found.append(race)
         return True
 
     # -- accesses ---------------------------------------------------------------------------------
@@ -331,9 +338,12 @@ class RaceChecker:
         )
 
     def _report(self, old: _Access, fp: Footprint, later: RaceSide, span: tuple[int, int]) -> None:
+        earlier = self._side(old)
+        if not self._first(earlier, later):  # before describing it: a racy loop repeats its race
+            return
         shown = fp if fp.dtype is not None else old.fp
-        race = Race(shown.describe(), shown.storage, span, self._side(old), later)
-        if self.report(race) and old.watch is not None:
+        self._found.append(Race(shown.describe(), shown.storage, span, earlier, later))
+        if old.watch is not None:
             self._drop(old.watch)  # one report per queued read
 
 
