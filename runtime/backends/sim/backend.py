@@ -524,7 +524,7 @@ class SimBackend:
         if active is not None and self._current in active.unjoined:
             raise active.capture.fail("replaying a graph inside a capture is not supported by sim")
         # Internal: the check's own tensor operations are no scheduling points for queued work.
-        storages = self._internal(program.check_alive)
+        storages = self._internal(program.live_storages)
         # Asynchronous, as on a GPU, even on the default stream: replay() returns before the graph
         # ran, so host writes to pinned memory it reads, and host reads of pinned memory it
         # writes, race with it until something waits for the stream.

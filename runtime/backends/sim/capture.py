@@ -121,7 +121,7 @@ class Program:
             for ref in _refs(ins.args, ins.kwargs):
                 self._first_reader.setdefault(ref, ops.op_name(ins.func))
 
-    def check_alive(self) -> list[torch.UntypedStorage]:
+    def live_storages(self) -> list[torch.UntypedStorage]:
         """The storages of the external memory the program reads, for `run`; UseAfterFreeError
         now if any of it is gone.
 
@@ -132,7 +132,7 @@ class Program:
         return [self._storage(ext) for ext in self._externals]
 
     def run(self, storages: list[torch.UntypedStorage]) -> None:
-        """One replay on `storages` (`check_alive`'s, at the replay's issue)."""
+        """One replay on `storages` (`live_storages`'s, at the replay's issue)."""
         env = list(self._env)
         for ext, storage in zip(self._externals, storages, strict=True):
             t = torch.empty(0, dtype=ext.dtype)
@@ -182,7 +182,7 @@ class Program:
 
 def _dropped_by_the_program(storage: torch.UntypedStorage) -> bool:
     """Whether no tensor refers to the memory any more: it lives on only because a replay issued
-    before the program freed it holds its storage object until it has run (`Program.check_alive`).
+    before the program freed it holds its storage object until it has run (`Program.live_storages`).
     """
     return storage_tensor_count(storage) < 1
 
