@@ -298,11 +298,12 @@ def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
     request, whose prompt leaves room for two tokens below the per-request block limit, and
     prefills it whole, pipelined with that decode (and delayed, as `first_pair` is): a runner
     that runs prefills on a stream of its own, or rewrites a buffer the replay still reads, races
-    there. Then the weights change (where the spec updates weights) and the first request
-    decodes alone, on the graph captured before the change; the two decode together; the long
-    request decodes alone, on the graph the short one was captured with; and (where the spec
-    has speculative decoding) the short one decodes a draft token, a step with the request count
-    of one graph and the token count of another. A random schedule
+    there. Then the weights change (where the spec updates weights; delayed too, so that on
+    cuda a loader racing its own pinned staging loads other weights into the graph twin) and the
+    first request decodes alone, on the graph captured before the change; the two decode
+    together; the long request decodes alone, on the graph the short one was captured with; and
+    (where the spec has speculative decoding) the short one decodes a draft token, a step with the
+    request count of one graph and the token count of another. A random schedule
     holds these rarely: half of them switch weight updates off, a quarter switch pipelined pairs
     off, most pairs join two steps of the same phase, and most prompts are short."""
     capacity = _capacity(spec)
@@ -311,7 +312,13 @@ def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
         seed=1 if "sampling" in spec.features else None,
         temperature=0.5,
     )
-    update = Stress(weight_seed=1) if "weight_update" in spec.features else Stress()
+    # Delayed (on cuda): a weight loader whose copies out of pinned staging race its own host
+    # writes then loads other weights into the graph twin than into the references.
+    update = (
+        Stress(weight_seed=1, delay_cycles=DELAY_CYCLES)
+        if "weight_update" in spec.features
+        else Stress()
+    )
     pair = Stress(pipelined=True, delay_cycles=DELAY_CYCLES)
     whole = spec.max_num_tokens
     # Two tokens of one request: as many requests as the last graph of one-token rows, as many
@@ -344,7 +351,14 @@ def first_partial_bucket(spec: TargetSpec) -> list[StepPlan]:
     host at capture (the rows a kernel appends to the cache, whether any row samples) replays for
     the full batch as it was for the partial one, and a padding row the runner does not reset
     keeps the full batch's last row. A random schedule seldom grows a batch within one captured
-    size, with the batch it was captured for as its first. Empty where a step holds one request."""
+    size, with the batch it was captured for as its first.
+
+    Where a step may hold more requests than the largest captured size, more one-token requests
+    then join and all of them decode together, one request past that size: a batch that no
+    captured graph fits, which a runner that clamps its lookup to the largest graph replays on
+    it (rows past it neither computed nor written to the cache). A random schedule reaches it
+    only once enough requests live at once, which drawn schedules seldom hold in a campaign's
+    first hundred examples. Empty where a step holds one request."""
     n = min(4, spec.max_num_reqs)
     if n < 2:
         return []
@@ -355,6 +369,27 @@ def first_partial_bucket(spec: TargetSpec) -> list[StepPlan]:
         StepPlan(kind="prefill", rows=1, arrivals=(sampled,)),
         StepPlan(kind="decode", rows=n),
         StepPlan(kind="decode", rows=n - 1, rotate=1),
+        *_past_the_largest_graph(spec, live=n),
+    ]
+
+
+def _past_the_largest_graph(spec: TargetSpec, live: int) -> list[StepPlan]:
+    """`live` requests become one more than the largest captured size, which then decode
+    together; empty where a step cannot hold them all or the cache cannot. The first requests
+    hold five tokens by then (a one-token prompt and four decodes)."""
+    past = max(spec.capture_sizes, default=0) + 1
+    blocks_each = -(-5 // spec.block_size)
+    fits = (
+        live < past <= min(spec.max_num_reqs, spec.max_num_tokens)
+        and blocks_each <= spec.max_blocks_per_req
+        and past * blocks_each <= spec.num_blocks - 1  # the null block is padding's
+    )
+    if not spec.capture_sizes or not fits:
+        return []
+    joining = past - live
+    return [
+        StepPlan(kind="prefill", rows=joining, arrivals=(Arrival(prompt_len=1),) * joining),
+        StepPlan(kind="decode", rows=past),
     ]
 
 

@@ -26,6 +26,7 @@ import dataclasses
 import random
 import traceback
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
@@ -305,7 +306,12 @@ class Lockstep:
         if stress.weight_seed is not None:
             self.weight_seed = stress.weight_seed
             for twin in self._targets:
-                twin.update_weights(stress.weight_seed)
+                # The graph twin's update is delayed as its steps are: on cuda, a weight loader
+                # that refills a pinned staging buffer before its last copy out of it ran gives
+                # that twin other weights than the references, which load them undelayed.
+                delayed = twin is self.graph
+                with stressors.delayed_step(self.backend, stress) if delayed else nullcontext():
+                    twin.update_weights(stress.weight_seed)
         blocks, slots = stressors.live_indices(self.spec, [b for b in (previous, batch) if b])
         stressors.poison_static_buffers(
             self.graph.static_buffers(), live_blocks=blocks, live_slots=slots, rng=rng

@@ -187,6 +187,20 @@ def test_the_partial_bucket_schedule_grows_a_batch_within_one_captured_size(spec
     assert sampled == ("sampling" in spec.features)
 
 
+def test_the_partial_bucket_schedule_ends_one_request_past_the_largest_captured_size():
+    # a step may hold 6 requests, the largest graph 4: one more request than fits any graph
+    past = dataclasses.replace(SPEC, capture_sizes=(1, 2, 4))
+    events = compile_schedule(past, schedules_module.first_partial_bucket(past), seed=0)
+    batches = [e for e in events if isinstance(e, Batch)]
+    assert all(batch_problems(b, past) == [] for b in batches)
+    assert [len(b.requests) for b in batches] == [3, 3, 1, 4, 3, 1, 5]
+    last = batches[-1]
+    assert all(len(r.tokens) == 1 and r.context_len for r in last.requests)  # a decode batch
+    # where the cache cannot hold them all, the schedule stops after the rotated batch
+    tight = dataclasses.replace(past, num_blocks=5, max_blocks_per_req=2)
+    assert len(schedules_module.first_partial_bucket(tight)) == 5
+
+
 def test_the_partial_bucket_schedule_is_empty_where_a_step_holds_one_request():
     single = dataclasses.replace(SPEC, max_num_reqs=1)
     assert schedules_module.first_partial_bucket(single) == []
