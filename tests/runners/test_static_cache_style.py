@@ -1,0 +1,96 @@
+"""The static-cache-style runner (`static_cache_style.py`): a design of its own (per-request slot
+maps over the paged cache, graphs captured eagerly at start-up per batch size into one pool,
+positions carried on the device and advanced by each replay). Correct, it passes the harness;
+each of its bugs, modelled on ones public engines shipped, is caught by the check that names it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from pytest_graphmode.failure import MADE_TWINS
+from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
+from pytest_graphmode.runtime.backends.sim import drop_in
+from tests.runners import static_cache_style_target
+from tests.runners.static_cache_style import BUGS
+
+# bug -> the check that names it, on seeds 0-2 by the third example at most
+CAUGHT_BY = {
+    "positions_trusted_by_request_id": "kv_writes_confined",
+    "masked_values_multiplied": "replay_matches_eager",
+    "activation_scale_over_padded_batch": "sampling_independent",
+    # found by the third leading example's batch one request past the largest graph (about
+    # 130 examples without it)
+    "oversized_batch_clamped_to_largest_graph": "replay_matches_eager",
+    # the weights are loaded when the twins are made
+    "weights_staged_through_one_pinned_buffer": "no_stream_races",
+}
+# On a GPU: the race as the graph twin's other weights after the second example's delayed weight
+# update (the twins' own loading at start-up is not delayed).
+ON_CUDA = {**CAUGHT_BY, "weights_staged_through_one_pinned_buffer": "replay_matches_eager"}
+AT_START_UP_ON_SIM = {"weights_staged_through_one_pinned_buffer"}
+
+
+def _factory(bug: str) -> Callable[..., static_cache_style_target.StaticCacheStyleTarget]:
+    return getattr(static_cache_style_target, bug)  # type: ignore[no-any-return]
+
+
+def test_every_bug_has_a_factory_and_an_expected_outcome() -> None:
+    assert set(CAUGHT_BY) == BUGS
+    with drop_in():  # the runner's torch.cuda is the sim's
+        for bug in BUGS:
+            target = _factory(bug)("graph", seed=0, backend="sim")
+            assert target.runner.bug == bug
+            assert target.runner.graphs
+            target.close()
+
+
+def test_an_unknown_bug_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown bug 'slow'"):
+        static_cache_style_target.StaticCacheStyleTarget("eager", seed=0, backend="sim", bug="slow")
+
+
+def test_the_correct_runner_passes_the_harness_on_sim() -> None:
+    stats = run_campaign(
+        static_cache_style_target.make_target, max_examples=40, max_steps=8, seed=0
+    )
+    assert stats.failures == []
+    assert stats.paths["full"] > 0
+
+
+@pytest.mark.parametrize("bug", sorted(CAUGHT_BY))
+def test_each_bug_is_caught_on_sim(bug: str) -> None:
+    _assert_caught(bug, "sim")
+
+
+@pytest.mark.graphmode_cuda
+def test_the_correct_runner_passes_the_harness_on_a_gpu() -> None:
+    stats = run_campaign(
+        static_cache_style_target.make_target, backend="cuda", max_examples=40, max_steps=8, seed=0
+    )
+    assert stats.failures == []
+    assert stats.paths["full"] > 0
+
+
+@pytest.mark.graphmode_cuda
+@pytest.mark.parametrize("bug", sorted(ON_CUDA))
+def test_each_bug_is_caught_on_a_gpu(bug: str) -> None:
+    _assert_caught(bug, "cuda")
+
+
+def _assert_caught(bug: str, backend: str) -> None:
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(
+            _factory(bug),
+            backend=backend,
+            max_examples=300,
+            max_steps=8,
+            seed=0,
+            shrink_seconds=0,
+        )
+    failure = caught.value.failure
+    expected = ON_CUDA[bug] if backend == "cuda" else CAUGHT_BY[bug]
+    assert failure.check == expected, failure.message
+    at_start_up = backend == "sim" and bug in AT_START_UP_ON_SIM
+    assert (failure.step == MADE_TWINS) == at_start_up, failure.message
