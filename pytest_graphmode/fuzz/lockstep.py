@@ -2,7 +2,8 @@
 
 Twins, all made by the same factory with the same seed (hence the same weights and state):
 - `graph`: graph mode, poisoned before every step (static buffers, null block), stressed: on cuda
-  its step runs with delayed streams when the step's stress asks for delays;
+  its step, and a weight update before it, run with delayed streams when the step's stress asks
+  for delays;
 - `eager`: eager mode, the reference; its null block is poisoned too;
 - `clean`: graph mode, never poisoned; `padding_inert` demands bit-identical valid rows;
 - `company`: eager mode, never poisoned, runs only the sampled requests, their KV blocks renamed
