@@ -14,6 +14,12 @@ directory (so only the built-in suite runs; the checkout is put on PYTHONPATH fo
 
 (`--backend cuda` runs the same command with `--graphmode-backend=cuda`.)
 
+Each checkout needs an interpreter that imports it: its own virtual environment, or, for a plain
+source tree run by this repository's interpreter, the tree's `strategies/`, `runtime/` and
+`planner/` copied into its `pytest_graphmode/` (an editable install maps those sub-packages to
+this repository, whatever comes first on the path). A checkout that imports code from elsewhere is
+refused before anything runs.
+
 Time to the report is the wall time of that process. Time and examples to the first failure come
 from the report's `first_failure_*` fields; a checkout whose reports lack them is measured by a
 second run, `measure.py`'s detection campaign for the same mutant and seed (its own budget, no
@@ -127,6 +133,38 @@ def _environment(checkout: Checkout) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": joined}
 
 
+SUBPACKAGES = ("pytest_graphmode", "pytest_graphmode.strategies", "pytest_graphmode.runtime")
+
+
+def check_imports_its_own_code(checkout: Checkout) -> None:
+    """Fail unless `checkout.python`, with the checkout on PYTHONPATH, imports the harness from
+    `checkout.directory`. An interpreter with this repository installed in editable mode finds
+    `pytest_graphmode` in a plain source tree put first on the path, but not its sub-packages
+    (`strategies/` and `runtime/` sit beside it and are mapped into it at install): it takes
+    those from the installed repository, and two checkouts would run the same strategies."""
+    probe = "import importlib, sys\nfor name in sys.argv[1:]:\n    print(importlib.import_module(name).__file__)"
+    done = subprocess.run(
+        [checkout.python, "-c", probe, *SUBPACKAGES],
+        cwd=checkout.directory, env=_environment(checkout), capture_output=True, text=True,
+        check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"checkout {checkout.label}: cannot import the harness:\n{done.stderr}")
+    root = checkout.directory.resolve()
+    elsewhere = [
+        f"{name} from {file}"
+        for name, file in zip(SUBPACKAGES, done.stdout.split(), strict=True)
+        if not Path(file).resolve().is_relative_to(root)
+    ]
+    if elsewhere:
+        raise SystemExit(
+            f"checkout {checkout.label} ({root}) imports code from elsewhere: "
+            + "; ".join(elsewhere)
+            + ". Give it an interpreter of its own (a virtual environment with that checkout "
+            "installed), or copy strategies/, runtime/ and planner/ into its pytest_graphmode/."
+        )
+
+
 def _measured(
     checkout: Checkout, mutant: str, seed: int, timeout: float
 ) -> tuple[float | None, int | None]:
@@ -220,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
         Checkout(label, str(Path(python).absolute()), Path(directory).absolute())
         for label, python, directory in args.checkout or [("this", sys.executable, str(REPOSITORY))]
     ]
+    for checkout in checkouts:
+        check_imports_its_own_code(checkout)
     mutants = args.only or [mutant.name for mutant in zoo.MUTANTS]
     runs: list[Detection] = []
     for mutant in mutants:
