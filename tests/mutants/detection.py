@@ -133,18 +133,20 @@ def _environment(checkout: Checkout) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": joined}
 
 
-SUBPACKAGES = ("pytest_graphmode", "pytest_graphmode.strategies", "pytest_graphmode.runtime")
+MAPPED_SUBPACKAGES = ("strategies", "runtime", "planner")
+"""Directories beside `pytest_graphmode/` that the install maps into it (pyproject's package-dir)."""
 
 
 def check_imports_its_own_code(checkout: Checkout) -> None:
     """Fail unless `checkout.python`, with the checkout on PYTHONPATH, imports the harness from
     `checkout.directory`. An interpreter with this repository installed in editable mode finds
-    `pytest_graphmode` in a plain source tree put first on the path, but not its sub-packages
-    (`strategies/` and `runtime/` sit beside it and are mapped into it at install): it takes
-    those from the installed repository, and two checkouts would run the same strategies."""
-    probe = "import importlib, sys\nfor name in sys.argv[1:]:\n    print(importlib.import_module(name).__file__)"
+    `pytest_graphmode` in a plain source tree put first on the path, but not the sub-packages
+    mapped into it at install: it takes those from the installed repository, and two checkouts
+    would run the same strategies."""
+    modules = ["pytest_graphmode", *(f"pytest_graphmode.{name}" for name in MAPPED_SUBPACKAGES)]
+    probe = "import importlib, sys\nfor name in sys.argv[1:]: print(importlib.import_module(name).__file__)"
     done = subprocess.run(
-        [checkout.python, "-c", probe, *SUBPACKAGES],
+        [checkout.python, "-c", probe, *modules],
         cwd=checkout.directory, env=_environment(checkout), capture_output=True, text=True,
         check=False,
     )  # fmt: skip
@@ -153,7 +155,7 @@ def check_imports_its_own_code(checkout: Checkout) -> None:
     root = checkout.directory.resolve()
     elsewhere = [
         f"{name} from {file}"
-        for name, file in zip(SUBPACKAGES, done.stdout.split(), strict=True)
+        for name, file in zip(modules, done.stdout.splitlines(), strict=True)
         if not Path(file).resolve().is_relative_to(root)
     ]
     if elsewhere:
@@ -161,7 +163,7 @@ def check_imports_its_own_code(checkout: Checkout) -> None:
             f"checkout {checkout.label} ({root}) imports code from elsewhere: "
             + "; ".join(elsewhere)
             + ". Give it an interpreter of its own (a virtual environment with that checkout "
-            "installed), or copy strategies/, runtime/ and planner/ into its pytest_graphmode/."
+            f"installed), or copy {', '.join(MAPPED_SUBPACKAGES)} into its pytest_graphmode/."
         )
 
 

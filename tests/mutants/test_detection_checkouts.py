@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.mutants.detection import REPOSITORY, Checkout, check_imports_its_own_code
+from tests.mutants.detection import (
+    MAPPED_SUBPACKAGES,
+    REPOSITORY,
+    Checkout,
+    check_imports_its_own_code,
+)
 
 IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
 
@@ -36,6 +41,6 @@ def test_a_source_tree_without_its_sub_packages_in_place_is_refused(tmp_path: Pa
 def test_a_source_tree_with_its_sub_packages_copied_in_is_measured(tmp_path: Path) -> None:
     package = tmp_path / "pytest_graphmode"
     shutil.copytree(REPOSITORY / "pytest_graphmode", package, ignore=IGNORE)
-    for name in ("strategies", "runtime", "planner"):
+    for name in MAPPED_SUBPACKAGES:
         shutil.copytree(REPOSITORY / name, package / name, ignore=IGNORE)
     check_imports_its_own_code(Checkout("old", sys.executable, tmp_path))
