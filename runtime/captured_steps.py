@@ -1,4 +1,5 @@
-"""Capturing one graph for a key: warm up eagerly, then record the step into the key's pool.
+"""Capturing one graph for a key: warm up eagerly (an executor's first capture only), then record
+the step into the key's pool.
 
 A FULL graph records the whole step, sampling included. A PIECEWISE graph records the decoder body
 as pieces with attention run eagerly between them (`runtime.piecewise`); the logits gather and
@@ -83,6 +84,11 @@ def warm_up(backend: Backend, run: Callable[[], object]) -> None:
     """Run the step eagerly once on a side stream, as PyTorch recommends before a capture, so
     lazy initialisation and workspace allocation happen outside the graph.
 
+    What a warm-up initialises (library handles, the allocator's first blocks) is set up once per
+    process and device, not once per shape, so the executor warms up before its first capture
+    only: every later warm-up was a whole eager step more per captured shape, a third of what a
+    capture cost.
+
     It runs on the inputs staged now: a real batch when a step captures on first use. Its KV
     writes are exactly the ones the replay that follows repeats, so the step's result and the
     cache are the same as with one run."""
@@ -107,10 +113,13 @@ def _join(backend: Backend, side: Any) -> None:
         raise
 
 
-def capture_full(backend: Backend, key: GraphKey, run: StepFn, memory: Any) -> FullGraph:
-    """Warm up, then capture `run` as the graph of `key`."""
+def capture_full(
+    backend: Backend, key: GraphKey, run: StepFn, memory: Any, *, warm: bool = True
+) -> FullGraph:
+    """Warm up (unless `warm` is False), then capture `run` as the graph of `key`."""
     started = time.perf_counter()
-    warm_up(backend, run)
+    if warm:
+        warm_up(backend, run)
     graph = backend.Graph()
     try:
         with backend.graph(graph, pool=memory.pool_for(key)):
@@ -130,10 +139,14 @@ def capture_pieces(
     inputs: DecoderInputs,
     sampling: SamplingInputs,
     memory: Any,
+    *,
+    warm: bool = True,
 ) -> PiecewiseStep:
-    """Warm up, then capture the decoder body on `inputs` as the piecewise graph of `key`."""
+    """Warm up (unless `warm` is False), then capture the decoder body on `inputs` as the
+    piecewise graph of `key`."""
     started = time.perf_counter()
-    warm_up(backend, lambda: decoder.forward(inputs, use_adapters=key.adapters))
+    if warm:
+        warm_up(backend, lambda: decoder.forward(inputs, use_adapters=key.adapters))
     pieces: PiecewiseGraph | None = None
     try:
         pieces = capture_piecewise(

@@ -298,16 +298,17 @@ class GraphExecutor:
         """Capture `key` on the inputs staged now; on failure record the reason, return None.
         The graph is the caller's to `_keep` or `_release`."""
         captured: CapturedStep
+        warm = not self._stats.captures  # see `warm_up`: once per executor, not per shape
         try:
             if key.mode == "piecewise":
                 inputs = self.inputs.views(padded_reqs, key.num_tokens)
                 sampling = self.inputs.sampling_views(padded_reqs)
                 captured = capture_pieces(
-                    self.backend, key, self.decoder, inputs, sampling, self._memory
+                    self.backend, key, self.decoder, inputs, sampling, self._memory, warm=warm
                 )
             else:
                 run = self._step_fn(padded_reqs, key.num_tokens, key.adapters)
-                captured = capture_full(self.backend, key, run, self._memory)
+                captured = capture_full(self.backend, key, run, self._memory, warm=warm)
         except Exception as error:
             self._stats.failed_captures += 1
             self._failed[key] = f"capture of {key} failed: {type(error).__name__}: {error}"

@@ -28,14 +28,17 @@ CAUGHT_BY = {
 # The stale query starts reach a valid row only in a speculative step padded by two rows or more
 # after a step with more, shorter rows: found on 11 of seeds 0-14 in 300 examples, seed 13 at 51.
 SEED = {"query_start_loc_tail_stale": 13}
-# Found on a GPU too, whatever the timing: no race among them. Where cuda has no race checker,
-# the append that escaped the capture shows as the replay's missing keys and values.
+# Found on a GPU too, whatever the timing: no race among them decides whether they are found.
+# Where cuda has no race checker, the append that escaped the capture shows as the replay's
+# missing keys and values; it ran on the auxiliary stream at capture, unordered with what the
+# capturing twin did next, so whether the graph and clean twins lack the same keys depends on
+# timing too, and the check that names it first is either (padding_inert compares those two).
 ON_CUDA = {
-    "seeds_not_moved_on_condense": "sampling_independent",
-    "kv_append_on_unforked_stream": "replay_matches_eager",
-    "kv_append_count_baked": "replay_matches_eager",
-    "graph_key_without_kv_blocks": "replay_matches_eager",
-    "query_start_loc_tail_stale": "replay_matches_eager",
+    "seeds_not_moved_on_condense": {"sampling_independent"},
+    "kv_append_on_unforked_stream": {"replay_matches_eager", "padding_inert"},
+    "kv_append_count_baked": {"replay_matches_eager"},
+    "graph_key_without_kv_blocks": {"replay_matches_eager"},
+    "query_start_loc_tail_stale": {"replay_matches_eager"},
 }
 
 
@@ -95,6 +98,6 @@ def _assert_caught(bug: str, backend: str) -> None:
             shrink_seconds=0,
         )
     failure = caught.value.failure
-    expected = ON_CUDA[bug] if backend == "cuda" else CAUGHT_BY[bug]
-    assert failure.check == expected, failure.message
+    expected = ON_CUDA[bug] if backend == "cuda" else {CAUGHT_BY[bug]}
+    assert failure.check in expected, failure.message
     assert failure.step != MADE_TWINS, failure.message

@@ -195,6 +195,24 @@ def test_capture_all_captures_largest_first_and_later_steps_hit(sim: Any) -> Non
     assert (stats.captures, stats.hits) == (6, 2)
 
 
+def test_only_an_executors_first_capture_warms_up(
+    sim: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytest_graphmode.runtime import captured_steps
+
+    warm_ups = []
+    real = captured_steps.warm_up
+    monkeypatch.setattr(
+        captured_steps, "warm_up", lambda *args: (warm_ups.append(args), real(*args))
+    )
+    graph, eager = executor(sim, [1, 2], max_query_len=2, piecewise=True), executor(sim, [])
+    graph.capture_all()
+    for batch in (make_batch([1, 1]), make_batch([3, 2])):  # a FULL graph, then a piecewise one
+        assert_match(graph.step(batch), eager.step(batch))
+    assert graph.stats().captures == 7
+    assert len(warm_ups) == 1
+
+
 def test_stats_report_padding_of_graph_steps(sim: Any) -> None:
     graph = executor(sim, [4])
     graph.step(make_batch([1, 1, 1]))
