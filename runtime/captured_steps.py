@@ -86,8 +86,7 @@ def warm_up(backend: Backend, run: Callable[[], object]) -> None:
 
     What a warm-up initialises (library handles, the allocator's first blocks) is set up once per
     process and device, not once per shape, so the executor warms up before its first capture
-    only: every later warm-up was a whole eager step more per captured shape, a third of what a
-    capture cost.
+    only: every later warm-up was one more eager step per captured shape, for nothing.
 
     It runs on the inputs staged now: a real batch when a step captures on first use. Its KV
     writes are exactly the ones the replay that follows repeats, so the step's result and the
