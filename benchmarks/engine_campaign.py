@@ -16,12 +16,19 @@ campaign that is one of its first steps (about a second on the H200 host, more w
 bytecode), paid once per process. `--compiler-stack-first` imports it before the clock starts, so
 that the figure is the campaign's own work, the same for every engine.
 
+With `--seconds S` the campaign has a time budget of S seconds instead of a count (`--examples`
+then caps it), and with `--workers N` (this engine only, with `--seconds`) it runs on N processes:
+itself and N-1 helper campaigns (`fuzz/helpers.py`), as `pytest --graphmode-fuzz` does under a time
+budget. Its seconds are then wall-clock time from the first helper's start, helpers' process
+starts included.
+
     python benchmarks/engine_campaign.py --backend sim --examples 10 --steps 8 --seed 0
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -71,7 +78,13 @@ def main() -> None:
         "as in a process that has run a dispatch mode or a custom op before: the one-time import "
         "is then no part of any engine's campaign",
     )
+    parser.add_argument("--seconds", type=float, help="a time budget instead of a count")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="processes (this engine, with --seconds only)"
+    )
     args = parser.parse_args()
+    if args.workers > 1 and args.seconds is None:
+        parser.error("--workers needs --seconds: helper campaigns share a time budget")
     if args.kernel_share and args.backend != "sim":
         parser.error("--kernel-share needs --backend sim: on cuda no Python sees each operation")
 
@@ -82,14 +95,23 @@ def main() -> None:
     if args.compiler_stack_first:
         import torch._dynamo  # noqa: F401
     kernel = time_operator_calls() if args.kernel_share else None
-    threads = {} if args.cpu_threads is None else {"cpu_threads": args.cpu_threads or None}
-    stats = run_campaign(
+    extra: dict[str, Any] = (
+        {} if args.cpu_threads is None else {"cpu_threads": args.cpu_threads or None}
+    )
+    if args.seconds is not None:
+        extra["seconds"] = args.seconds
+    campaign: Any = run_campaign
+    if args.workers > 1:
+        from pytest_graphmode.fuzz.helpers import run_with_helpers
+
+        campaign = functools.partial(run_with_helpers, run_campaign, helpers=args.workers - 1)
+    stats = campaign(
         make_target,
         backend=args.backend,
         max_examples=args.examples,
         max_steps=args.steps,
         seed=args.seed,
-        **threads,
+        **extra,
     )
     source = Path(pytest_graphmode.__file__).resolve().parent.parent
     print(
@@ -106,5 +128,5 @@ def main() -> None:
     )
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # helper campaigns start with `spawn`, which imports this module
     main()

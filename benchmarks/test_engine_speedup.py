@@ -17,6 +17,12 @@ each engine's campaign once per seed in every round, and its rate is the steps o
 their seconds: one seed's 40 examples draw a few hundred steps, and which steps they are moves the
 rate as much as many an engine change. `GRAPHMODE_ENGINE_COMPILER_STACK=first` starts every engine's
 campaign with torch's compiler stack imported (`engine_campaign.py --compiler-stack-first`).
+
+`GRAPHMODE_ENGINE_WORKERS=N` (N > 1) adds two runs of this engine under the time budget
+`GRAPHMODE_ENGINE_SECONDS` (default 20, the dev profile's) instead of the example count: one in one
+process and one on N processes (`fuzz/helpers.py`), the second timed on the wall clock with its
+helpers' process starts. Their ratio is what the helpers add; both compare with the other engines'
+count-bounded campaigns only roughly (a longer campaign spreads its first captures over more steps).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ SCRIPT = Path(__file__).with_name("engine_campaign.py")
 # "first": every engine's campaign starts with torch's compiler stack imported (see
 # engine_campaign.py, --compiler-stack-first); left out, each pays the import where it happens.
 COMPILER_STACK_FIRST = os.environ.get("GRAPHMODE_ENGINE_COMPILER_STACK", "") == "first"
+WORKERS = int(os.environ.get("GRAPHMODE_ENGINE_WORKERS", "1"))
+BUDGET = os.environ.get("GRAPHMODE_ENGINE_SECONDS", "20")
 
 
 def _baselines() -> list[Path]:
@@ -95,6 +103,13 @@ def test_engine_speedup(
         "current, torch threads": (None, ("--cpu-threads", "0")),
         **{name: (site, ()) for name, site in baseline_sites.items()},
     }
+    if WORKERS > 1:
+        timed = ("--seconds", BUDGET, "--examples", "10000")
+        engines[f"current, {BUDGET} s"] = (None, timed)
+        engines[f"current, {BUDGET} s, {WORKERS} workers"] = (
+            None,
+            (*timed, "--workers", str(WORKERS)),
+        )
     rates: dict[str, list[float]] = {name: [] for name in engines}
 
     def one_round() -> None:
@@ -122,3 +137,10 @@ def test_engine_speedup(
             name: medians["current"] / rate for name, rate in medians.items() if name != "current"
         },
     )
+    if WORKERS > 1:
+        helped = medians[f"current, {BUDGET} s, {WORKERS} workers"]
+        benchmark.extra_info["workers"] = WORKERS
+        # The N-process campaign's rate over each other engine's, its one-process twin included.
+        benchmark.extra_info["workers_speedup_over"] = {
+            name: helped / rate for name, rate in medians.items() if "workers" not in name
+        }

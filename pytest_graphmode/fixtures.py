@@ -26,6 +26,7 @@ from pytest_graphmode.settings import (
     resolve_backend,
     settings_of,
     summary_of,
+    workers_per_campaign,
 )
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class GraphmodeFuzz:
         seconds: float | None = None,
     ) -> CampaignStats:
         from pytest_graphmode.fuzz import run_campaign
-        from pytest_graphmode.fuzz.isolation import isolates, run_isolated
+        from pytest_graphmode.fuzz.isolation import can_isolate, isolates, run_isolated
 
         earlier = self._config.stash.get(FAILED_CAMPAIGN_KEY, None)
         if earlier is not None:
@@ -94,11 +95,13 @@ class GraphmodeFuzz:
 
             campaign = functools.partial(run_rank_campaign, ranks=run.ranks)
         campaign = functools.partial(
-            campaign,
-            shrink_seconds=run.shrink_seconds,
-            seconds=seconds,
-            cpu_threads=run.cpu_threads,
+            campaign, shrink_seconds=run.shrink_seconds, cpu_threads=run.cpu_threads
         )
+        workers = workers_per_campaign(run, seconds)
+        if workers > 1 and (run.workers is not None or can_isolate(factory)):
+            from pytest_graphmode.fuzz.helpers import run_with_helpers
+
+            campaign = functools.partial(run_with_helpers, campaign, helpers=workers - 1)
 
         def on_progress(current: CampaignStats) -> None:
             announce(current)
@@ -115,6 +118,7 @@ class GraphmodeFuzz:
                 progress=on_progress,
                 settings=settings or hypothesis_settings(examples),
                 stats=stats,
+                seconds=seconds,
             )
         except BaseException as ended:
             # What ran until the failure, an error or Ctrl-C belongs in the summary and report.

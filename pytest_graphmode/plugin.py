@@ -31,6 +31,7 @@ from pytest_graphmode.settings import (
     resolve,
     settings_of,
     summary_of,
+    workers_per_campaign,
 )
 
 BUILTIN_SUITE = Path(__file__).parent / "_builtin" / "suite.py"
@@ -133,6 +134,12 @@ def pytest_report_header(config: pytest.Config) -> str | None:
         )
         + f" steps={settings.steps}"
         + (f" ranks={settings.ranks}" if settings.ranks > 1 else "")
+        # Only where a campaign can take helpers: a time budget, one rank.
+        + (
+            f" workers={workers_per_campaign(settings, settings.seconds)}"
+            if settings.seconds and settings.ranks == 1
+            else ""
+        )
     )
 
 
@@ -294,6 +301,7 @@ def _run_facts(settings: GraphmodeSettings) -> dict[str, Any]:
         "shrink_seconds": settings.shrink_seconds,
         "isolate": settings.isolate_option,
         "cpu_threads": settings.cpu_threads,
+        "workers": workers_per_campaign(settings, settings.seconds),
     }
 
 

@@ -93,6 +93,14 @@ OPTIONS: dict[str, tuple[str, str]] = {
         "tensors are tiny, and on a busy machine parallel kernels wait for cores; 0: leave "
         "torch's setting)",
     ),
+    "workers": (
+        "{auto,N}",
+        "processes per campaign with a time budget: the campaign and N-1 helper campaigns in "
+        "child processes, each with a seed of its own, until the same deadline (default auto: "
+        "the CPUs this process may use, at most 4; 1 in a pytest-xdist worker, or for a target "
+        "factory a child process cannot import). A campaign asked for a count of examples, or "
+        "with --graphmode-ranks above 1, runs in one process",
+    ),
     "isolate": (
         "{auto,on,off}",
         "run each campaign in a child process, so that a device fault is reported as a failure "
@@ -122,6 +130,10 @@ class GraphmodeSettings:
     # torch's intra-op CPU threads during a campaign (None: torch's own setting)
     cpu_threads: int | None = DEFAULT_CPU_THREADS
     ranks: int = 1
+    # processes per time-budgeted campaign (None: auto, `auto_workers`)
+    workers: int | None = None
+    # the run's campaigns are spread over pytest-xdist workers (on the controller or a worker)
+    distributed: bool = False
 
     @cached_property
     def backend(self) -> str:
@@ -231,6 +243,8 @@ def resolve(config: pytest.Config) -> GraphmodeSettings:
         isolate_option=isolate,
         ranks=1 if raw["ranks"] is None else _parse_int("ranks", raw["ranks"]),
         cpu_threads=_cpu_threads(raw["cpu_threads"]),
+        workers=_workers(raw["workers"], seconds, raw["ranks"]),
+        distributed=workerinput is not None or bool(getattr(config.option, "numprocesses", None)),
     )
 
 
@@ -259,6 +273,32 @@ def _raw_option(config: pytest.Config, name: str) -> str | None:
     return text or None
 
 
+MAX_AUTO_WORKERS = 4
+"""`auto_workers` uses at most this many processes per campaign: past it, process starts and
+shared memory bandwidth eat what more cores would add, and each cuda process holds a context of
+its own on the GPU."""
+
+
+def auto_workers() -> int:
+    """Processes per time-budgeted campaign where none were asked for: the CPUs this process may
+    run on, at most `MAX_AUTO_WORKERS`; 1 inside a pytest-xdist worker or a process it started
+    (its siblings use the other cores already)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return 1
+    return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0))))
+
+
+def workers_per_campaign(settings: GraphmodeSettings, seconds: float | None) -> int:
+    """Processes per campaign of the run with the time budget `seconds`: `--graphmode-workers`,
+    else `auto_workers()`, or 1 where pytest-xdist spreads the campaigns over the cores already;
+    1 without a time budget or with ranks."""
+    if seconds is None or settings.ranks > 1:
+        return 1
+    if settings.workers is not None:
+        return settings.workers
+    return 1 if settings.distributed else auto_workers()
+
+
 def option_flag(name: str) -> str:
     """The command-line spelling of option `name`."""
     return f"--graphmode-{name.replace('_', '-')}"
@@ -276,6 +316,25 @@ def _parse_seconds(name: str, text: str | None) -> float:
             f"{option_flag(name)} / graphmode_{name}: {text!r} is not a number of seconds >= 0"
         )
     return value
+
+
+def _workers(text: str | None, seconds: float | None, ranks: str | None) -> int | None:
+    """--graphmode-workers: None for auto; a count above 1 only where campaigns can use it."""
+    if text is None or text == "auto":
+        return None
+    workers = _parse_int("workers", text)
+    if workers > 1 and seconds is None:
+        raise pytest.UsageError(
+            f"--graphmode-workers / graphmode_workers: {workers} processes need a time budget "
+            "(the dev profile, or --graphmode-seconds): a campaign of a count of examples runs "
+            "that count in one process"
+        )
+    if workers > 1 and ranks is not None and int(ranks) > 1:
+        raise pytest.UsageError(
+            f"--graphmode-workers / graphmode_workers: {workers} processes cannot be combined "
+            "with --graphmode-ranks above 1 (each rank is a process already)"
+        )
+    return workers
 
 
 def _cpu_threads(text: str | None) -> int | None:

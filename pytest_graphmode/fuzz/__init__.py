@@ -6,7 +6,7 @@ Public API (stable; the pytest plugin is built on it):
 
 - `run_campaign(factory, *, backend="sim", max_examples=50, max_steps=12, seed=None,
   features=None, progress=None, settings=None, stats=None, shrink_seconds=None,
-  on_example=None, pipelined=True, seconds=None, cpu_threads=1) -> CampaignStats`: Hypothesis draws schedules of legal
+  on_example=None, pipelined=True, seconds=None, cpu_threads=1, stop=None) -> CampaignStats`: Hypothesis draws schedules of legal
   batches and stressors (with pipelined pairs unless `pipelined=False`, the first three examples
   then being fixed: the simplest pipelined pair, `first_phase_change` and `first_partial_bucket`; each schedule switches a random part of the features and
   stressors off, `strategies/swarm.py`), run on twins kept across examples (`kept_twins.py`,
@@ -16,11 +16,17 @@ Public API (stable; the pytest plugin is built on it):
   into as the campaign runs, so its caller keeps the counts of an interrupted campaign.
   `seconds` is a time budget: no example starts once it is spent, and the campaign then passes
   (a failure found before is still shrunk and raised). `cpu_threads` sets torch's intra-op CPU
-  threads while it runs (None: as they are; `campaign_process.py` says why 1).
+  threads while it runs (None: as they are; `campaign_process.py` says why 1). `stop()`, asked
+  before each example while nothing has failed, ends the campaign as passed when true.
 - `isolation.run_isolated(..., check_twins_first=False)`: the same campaign in a child process; a
   device fault or a dead child is a failure of `no_device_fault` (docs/ci.md, "Device faults");
   with `check_twins_first`, the child checks the twins against the contract first (the check the
-  plugin makes before its first campaign) and its `TargetError` is raised here.
+  plugin makes before its first campaign) and its `TargetError` is raised here; `stop` as in
+  `run_campaign`.
+- `helpers.run_with_helpers(campaign, factory, *, helpers, seconds, seed, stats=None,
+  progress=None, **arguments)`: `campaign` (either of the above) under the time budget `seconds`
+  with `helpers` helper campaigns in child processes beside it, each with its own seed; the first
+  failure of any process is raised, with every process's statistics (docs/ci.md, "Workers").
 - `replay(batches, *, factory, backend="sim", seed=0) -> CampaignStats`: re-run a concrete
   schedule (a list of `Batch`, optionally with `Stress` events, and `Reset` events that start the
   next example on the same twins) with every check; a failure's `replay_snippet` is such a call.

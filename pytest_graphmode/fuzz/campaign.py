@@ -112,6 +112,7 @@ def run_campaign(
     pipelined: bool = True,
     seconds: float | None = None,
     cpu_threads: int | None = DEFAULT_CPU_THREADS,
+    stop: Callable[[], bool] | None = None,
 ) -> CampaignStats:
     """Fuzz `factory`'s targets; return the statistics, or raise `GraphmodeFailure` (carrying
     them as `.stats`) for the first failure, shrunk to its smallest schedule.
@@ -134,7 +135,8 @@ def run_campaign(
     and the campaign ends as passed (a failure found before is shrunk as always, within
     `shrink_seconds`); `max_examples` still caps the count. `cpu_threads`: torch's intra-op
     CPU threads while the campaign runs (None: as they are; `campaign_process.torch_cpu_threads`
-    says why 1).
+    says why 1). `stop`, asked before each example while nothing has failed, ends the campaign as
+    passed when true (another process found a failure: `helpers.run_with_helpers`).
     """
     if seconds is not None and not seconds > 0:
         raise ValueError(f"seconds={seconds!r} must be a number of seconds > 0, or None")
@@ -159,6 +161,8 @@ def run_campaign(
 
     def example(plans: list[StepPlan], example_seed: int) -> None:
         budget.stop_if_spent(seconds)
+        if stop is not None and not budget.found and stop():
+            raise CampaignStopped
         heap.catch_up()
         events = compile_schedule(spec, plans, seed=example_seed)
         budget.leading = stats.examples < len(leading)  # explicit examples run first
@@ -249,7 +253,7 @@ def run_in_rounds(
         # it at the end): the failure found stands, unshrunk, rather than Hypothesis's complaint.
         budget.not_repeated()
         raise budget.smallest_failure() from None
-    except TimeBudgetSpent:
+    except (TimeBudgetSpent, CampaignStopped):
         pass  # every example run passed: the campaign passed
 
 
@@ -297,6 +301,10 @@ def out_of_time(stats: CampaignStats, started: float, seconds: float | None) -> 
 class TimeBudgetSpent(BaseException):
     """Ends Hypothesis's run once the time budget is spent and nothing failed, as
     `ShrinkBudgetSpent` ends it once shrinking has had its time."""
+
+
+class CampaignStopped(BaseException):
+    """Ends Hypothesis's run when the campaign's `stop()` says so and nothing failed."""
 
 
 class ShrinkBudgetSpent(BaseException):

@@ -84,9 +84,12 @@ def run_isolated(
     seconds: float | None = None,
     cpu_threads: int | None = DEFAULT_CPU_THREADS,
     check_twins_first: bool = False,
+    stop: Callable[[], bool] | None = None,
 ) -> CampaignStats:
     """`run_campaign` with the same arguments, run in a child process; a child that faults or
     dies is a `GraphmodeFailure` of `no_device_fault`. `factory` must pickle (`can_isolate`).
+    `stop`, asked several times a second, ends the campaign as passed when true (the child is
+    killed; what it counted until then is kept).
     With `check_twins_first`, the child checks the twins against the contract before the
     campaign (`loader.check_twins`, with `seed`, 0 when None) and a `TargetError` it raises is
     raised here."""
@@ -108,51 +111,18 @@ def run_isolated(
         seconds=seconds,
         cpu_threads=cpu_threads,
     )
-    context = multiprocessing.get_context("spawn")
-    receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(
-        target=_child_main,
-        args=(sender, factory, arguments, check_twins_first),
-        name="graphmode-campaign",
-    )
     started = time.perf_counter()
-    child.start()
-    sender.close()  # the child holds the only sending end: its death closes the pipe
-    heard = _Heard()
+    child = start_child(factory, arguments, check_twins_first, stats)
     try:
-        outcome = _listen(receiver, child, stats, progress, heard, silence_limit)
+        outcome = _listen(child, progress, silence_limit, stop)
     finally:
-        if child.is_alive():  # Ctrl-C, or the child went silent
-            child.kill()
-        child.join()
-        receiver.close()
-    kind, payload = outcome
-    if kind == "done":
+        child.end()
+    if outcome[0] == "stopped":
         return stats
-    if kind == "failure":  # the child's statistics, already taken, list it
-        raise GraphmodeFailure(Failure.from_json(payload), stats)
-    if kind == "target":
-        raise TargetError(payload)
-    if kind == "error":
-        raise IsolatedCampaignError(f"the campaign's child process raised:\n{payload}")
-    if kind == "fault":
-        cause = f"the device faulted:\n{payload}"
-    elif kind == "silent":
-        cause = f"the campaign's child process sent nothing for {silence_limit:g} s and was killed"
-    else:
-        cause = f"the campaign's child process died ({_exit_reason(child.exitcode)})"
-    failure = _fault_failure(cause, heard, factory, backend)
-    if not stats.seconds:  # the child died before it could count its time
-        stats.seconds = time.perf_counter() - started
-    if stats.first_failure_check is None:
-        stats.first_failure_seconds = time.perf_counter() - started
-        stats.first_failure_example = stats.examples
-        stats.first_failure_check = NO_DEVICE_FAULT
-    stats.shrinking = False
-    stats.failures.append(failure)
-    if progress is not None:
-        progress(stats)
-    raise GraphmodeFailure(failure, stats)
+    ended = child.ended(outcome, factory, backend, started, progress, silence_limit)
+    if ended is not None:
+        raise ended
+    return stats
 
 
 @dataclass
@@ -164,39 +134,142 @@ class _Heard:
     step: int | None = None
 
 
-def _listen(
-    receiver: Connection,
-    child: multiprocessing.process.BaseProcess,
-    stats: CampaignStats,
-    progress: Callable[[CampaignStats], None] | None,
-    heard: _Heard,
-    silence_limit: float,
-) -> tuple[str, Any]:
-    """Relay the child's messages until it reports an end or stops talking."""
-    last = time.monotonic()
-    while True:
-        if not receiver.poll(1.0):
-            if not child.is_alive() and not receiver.poll(0):
+class CampaignChild:
+    """A campaign running in a child process, and what its parent has heard from it: its
+    statistics (`stats`, updated as messages arrive) and the example and step it last began."""
+
+    def __init__(
+        self,
+        process: multiprocessing.process.BaseProcess,
+        receiver: Connection,
+        stats: CampaignStats,
+    ) -> None:
+        self.process, self.receiver, self.stats = process, receiver, stats
+        self.heard = _Heard()
+        self._last = time.monotonic()
+
+    def receive(
+        self,
+        timeout: float,
+        progress: Callable[[CampaignStats], None] | None,
+        silence_limit: float,
+    ) -> tuple[str, Any] | None:
+        """Take one message, waiting up to `timeout` seconds for it: the child's end (`done`,
+        `failure`, `target`, `error`, `fault`) or its death (`died`, `silent`) as (kind,
+        payload), None while it runs on."""
+        if not self.receiver.poll(timeout):
+            if not self.process.is_alive() and not self.receiver.poll(0):
                 return "died", None
-            if time.monotonic() - last > silence_limit:
+            if time.monotonic() - self._last > silence_limit:
                 return "silent", None
-            continue
+            return None
         try:
-            kind, payload, counted = receiver.recv()
+            kind, payload, counted = self.receiver.recv()
         except EOFError:  # the child is gone; whatever it sent before has been read
             return "died", None
-        last = time.monotonic()
+        self._last = time.monotonic()
         if counted is not None:
-            stats.update_from(CampaignStats.from_json(counted))
+            self.stats.update_from(CampaignStats.from_json(counted))
         if kind == "example":
-            heard.seed, heard.events, heard.step = payload[0], payload[1], None
+            self.heard.seed, self.heard.events, self.heard.step = payload[0], payload[1], None
         elif kind == "step":
-            heard.step = payload
+            self.heard.step = payload
         elif kind == "progress":
             if progress is not None:
-                progress(stats)
+                progress(self.stats)
         else:
             return kind, payload
+        return None
+
+    def end(self) -> None:
+        """Kill the child if it still runs (Ctrl-C, silence, or its work is no longer wanted),
+        and reap it."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self.receiver.close()
+
+    def ended(
+        self,
+        outcome: tuple[str, Any],
+        factory: TargetFactory,
+        backend: str,
+        started: float,
+        progress: Callable[[CampaignStats], None] | None,
+        silence_limit: float,
+    ) -> BaseException | None:
+        """What the campaign's end `outcome` raises (None: it passed). A child that faulted,
+        died or fell silent is a failure of `no_device_fault`, counted into `stats`; `started`:
+        when the campaign began, in this process's `time.perf_counter`."""
+        kind, payload = outcome
+        stats = self.stats
+        if kind == "done":
+            return None
+        if kind == "failure":  # the child's statistics, already taken, list it
+            return GraphmodeFailure(Failure.from_json(payload), stats)
+        if kind == "target":
+            return TargetError(payload)
+        if kind == "error":
+            return IsolatedCampaignError(f"the campaign's child process raised:\n{payload}")
+        if kind == "fault":
+            cause = f"the device faulted:\n{payload}"
+        elif kind == "silent":
+            cause = (
+                f"the campaign's child process sent nothing for {silence_limit:g} s and was killed"
+            )
+        else:
+            cause = f"the campaign's child process died ({_exit_reason(self.process.exitcode)})"
+        failure = _fault_failure(cause, self.heard, factory, backend)
+        if not stats.seconds:  # the child died before it could count its time
+            stats.seconds = time.perf_counter() - started
+        if stats.first_failure_check is None:
+            stats.first_failure_seconds = time.perf_counter() - started
+            stats.first_failure_example = stats.examples
+            stats.first_failure_check = NO_DEVICE_FAULT
+        stats.shrinking = False
+        stats.failures.append(failure)
+        if progress is not None:
+            progress(stats)
+        return GraphmodeFailure(failure, stats)
+
+
+def start_child(
+    factory: TargetFactory,
+    arguments: dict[str, Any],
+    check_twins_first: bool,
+    stats: CampaignStats,
+    name: str = "graphmode-campaign",
+) -> CampaignChild:
+    """Start `run_campaign(factory, **arguments)` in a child process (`spawn`), counting into
+    `stats`. `arguments` may hold `deadline` instead of `seconds`: a `time.time()` after which no
+    example starts, so that a child started late keeps to its parent's clock."""
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(
+        target=_child_main, args=(sender, factory, arguments, check_twins_first), name=name
+    )
+    process.start()
+    sender.close()  # the child holds the only sending end: its death closes the pipe
+    return CampaignChild(process, receiver, stats)
+
+
+def _listen(
+    child: CampaignChild,
+    progress: Callable[[CampaignStats], None] | None,
+    silence_limit: float,
+    stop: Callable[[], bool] | None,
+) -> tuple[str, Any]:
+    """Relay the child's messages until it reports an end, stops talking, or `stop()` is true
+    (then `("stopped", None)`)."""
+    # Asked often enough, when something else may stop the campaign, that little of the
+    # child's work is wasted.
+    timeout = 1.0 if stop is None else 0.2
+    while True:
+        outcome = child.receive(timeout, progress, silence_limit)
+        if outcome is not None:
+            return outcome
+        if stop is not None and stop():
+            return "stopped", None
 
 
 def _fault_failure(cause: str, heard: _Heard, factory: TargetFactory, backend: str) -> Failure:
@@ -256,6 +329,14 @@ def _child_main(
     backend = str(arguments["backend"])
     stats = CampaignStats()
     watch = _Watch(sender, stats, backend)
+    if "deadline" in arguments:
+        arguments = dict(arguments)
+        left = arguments.pop("deadline") - time.time()
+        if left <= 0:  # started after its parent's time budget was spent: nothing to run
+            sender.send(("done", None, stats.to_json()))
+            sender.close()
+            return
+        arguments["seconds"] = left
     try:
         # The plugin's check of the twins, made here rather than in the pytest process (where
         # `plugin.pytest_sessionstart` makes it for campaigns run in-process): making them runs

@@ -233,6 +233,7 @@ def test_json_report_holds_the_run_and_its_results(broken_run: Run) -> None:
         "shrink_seconds": 20.0,
         "isolate": "auto",
         "cpu_threads": 1,
+        "workers": 1,  # a count of examples runs in one process
     }
     assert report["campaigns"] == 1
     assert report["checks_run"]["replay_matches_eager"] >= 1
@@ -334,3 +335,27 @@ def test_the_builtin_suite_passes_from_the_repository_root_as_make_fuzz_runs_it(
     )  # fmt: skip
     assert done.returncode == pytest.ExitCode.OK, done.stdout[-3000:] + done.stderr[-2000:]
     assert "4 passed" in done.stdout
+
+
+def test_a_time_budgeted_campaign_runs_on_the_workers_asked(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    run = run_project(
+        tmp_path_factory,
+        {},
+        f"--graphmode-target={TOY}",
+        "--graphmode-backend=sim",
+        "--graphmode-seconds=6",
+        "--graphmode-steps=3",
+        "--graphmode-workers=2",
+        "--graphmode-report=out/graphmode.json",
+        *BUILTIN_CAMPAIGN_ONLY,
+    )
+    assert run.ret == 0, run.text
+    run.fnmatch_lines(["graphmode: * seconds=6 steps=3 workers=2", "failures: 0"])
+    report = json.loads((run.path / "out" / "graphmode.json").read_text())
+    assert report["run"]["workers"] == 2
+    # The helper's steps are watched for device faults in its child process; this process's
+    # own campaign runs in-process on sim, where no step is counted for that check.
+    assert report["checks_run"]["no_device_fault"] >= 1
+    assert report["checks_run"]["replay_matches_eager"] > report["checks_run"]["no_device_fault"]

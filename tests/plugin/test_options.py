@@ -1,8 +1,11 @@
 """What a user sees before any campaign runs: help, skips, usage errors, the header."""
 
+import os
+
 import pytest
 import torch
 
+from pytest_graphmode.settings import MAX_AUTO_WORKERS
 from tests.plugin.conftest import TOY
 
 OPTIONS = (
@@ -18,6 +21,7 @@ OPTIONS = (
     "shrink-seconds",
     "isolate",
     "seconds",
+    "workers",
 )
 
 
@@ -98,6 +102,8 @@ def test_cuda_marked_test_is_skipped_with_a_reason_without_a_gpu(
         ("--graphmode-seed=-3", "*graphmode_seed: '-3' is not an integer >= 0*"),
         ("--graphmode-seconds=soon", "*graphmode_seconds: 'soon' is not a number of seconds >= 0*"),
         ("--graphmode-cpu-threads=-1", "*graphmode_cpu_threads: '-1' is not an integer >= 0*"),
+        ("--graphmode-workers=0", "*graphmode_workers: '0' is not an integer >= 1*"),
+        ("--graphmode-workers=many", "*graphmode_workers: 'many' is not an integer >= 1*"),
     ],
 )
 def test_bad_option_value_is_a_usage_error(
@@ -135,19 +141,53 @@ def test_header_names_backend_target_and_given_seed(toy_project: pytest.Pytester
     result.stdout.fnmatch_lines(
         [
             f"graphmode: backend=sim target={TOY} seed=41 (given) profile=dev "
-            "examples<=10000 seconds=20 steps=8"
+            "examples<=10000 seconds=20 steps=8 workers=*"
         ]
     )
 
 
 @pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--graphmode-examples=5"], "*2 processes need a time budget*"),
+        (["--graphmode-profile=ci"], "*2 processes need a time budget*"),
+        (["--graphmode-ranks=2"], "*cannot be combined with --graphmode-ranks above 1*"),
+    ],
+)
+def test_workers_where_a_campaign_cannot_use_them_are_a_usage_error(
+    toy_project: pytest.Pytester, options: list[str], message: str
+) -> None:
+    result = toy_project.runpytest(
+        "--graphmode-fuzz", f"--graphmode-target={TOY}", "--graphmode-workers=2", *options
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
+def test_auto_workers_use_the_cpus_unless_xdist_spreads_the_campaigns(
+    toy_project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # this run's own xdist, if any
+    cpus = min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0)))
+    alone = toy_project.runpytest("--graphmode-fuzz", f"--graphmode-target={TOY}", "--collect-only")
+    alone.stdout.fnmatch_lines([f"graphmode: * seconds=20 steps=8 workers={cpus}"])
+    spread = toy_project.runpytest_subprocess(
+        "--graphmode-fuzz", f"--graphmode-target={TOY}", "-n", "2", "--collect-only"
+    )
+    spread.stdout.fnmatch_lines(["graphmode: * seconds=20 steps=8 workers=1"])
+
+
+@pytest.mark.parametrize(
     ("options", "shown"),
     [
+        # A count runs in one process: no workers shown.
         (["--graphmode-examples=7"], "profile=dev examples=7 steps=8"),
-        (["--graphmode-seconds=5"], "profile=dev examples<=10000 seconds=5 steps=8"),
-        (["--graphmode-examples=7", "--graphmode-seconds=5"], "examples<=7 seconds=5 steps=8"),
-        (["--graphmode-profile=ci", "--graphmode-seconds=0.5"], "examples<=50 seconds=0.5"),
+        (["--graphmode-seconds=5"], "profile=dev examples<=10000 seconds=5 steps=8 workers=*"),
+        (["--graphmode-examples=7", "--graphmode-seconds=5"], "examples<=7 seconds=5 steps=8 *"),
+        (["--graphmode-profile=ci", "--graphmode-seconds=0.5"], "examples<=50 seconds=0.5 *"),
         (["--graphmode-seconds=0"], "profile=dev examples=10000 steps=8"),
+        (["--graphmode-workers=3"], "seconds=20 steps=8 workers=3"),
+        (["--graphmode-workers=1", "--graphmode-seconds=5"], "seconds=5 steps=8 workers=1"),
     ],
 )
 def test_an_example_count_or_time_budget_given_replaces_the_profiles(
@@ -156,7 +196,7 @@ def test_an_example_count_or_time_budget_given_replaces_the_profiles(
     result = toy_project.runpytest(
         "--graphmode-fuzz", f"--graphmode-target={TOY}", *options, "--collect-only"
     )
-    result.stdout.fnmatch_lines([f"graphmode: *{shown}*"])
+    result.stdout.fnmatch_lines([f"graphmode: *{shown}"])
 
 
 def test_header_shows_a_random_seed_and_how_to_rerun_it(toy_project: pytest.Pytester) -> None:
