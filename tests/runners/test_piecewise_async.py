@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 import pytest
 
-from pytest_graphmode.failure import MADE_TWINS
-from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
+from pytest_graphmode.fuzz import run_campaign
 from pytest_graphmode.runtime.backends.sim import drop_in
 from tests.runners import piecewise_async_target
+from tests.runners.caught import assert_caught, failure_of
 from tests.runners.piecewise_async import BUGS
 
 # bug -> the check that names it on seed 0
@@ -84,11 +84,5 @@ def test_each_bug_is_caught_on_a_gpu(bug: str) -> None:
 
 
 def _assert_caught(bug: str, backend: str) -> None:
-    with pytest.raises(GraphmodeFailure) as caught:
-        run_campaign(
-            _factory(bug), backend=backend, max_examples=300, max_steps=8, seed=0, shrink_seconds=0
-        )
-    failure = caught.value.failure
-    expected = ON_CUDA[bug] if backend == "cuda" else CAUGHT_BY[bug]
-    assert failure.check == expected, failure.message
-    assert failure.step != MADE_TWINS, failure.message
+    failure = failure_of(_factory(bug), backend)
+    assert_caught(failure, ON_CUDA[bug] if backend == "cuda" else CAUGHT_BY[bug], at_start_up=False)

@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
-from pytest_graphmode.failure import MADE_TWINS
-from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
+from pytest_graphmode.fuzz import run_campaign
 from pytest_graphmode.runtime.backends.sim import drop_in
 from tests.runners import sglang_style_target
+from tests.runners.caught import assert_caught, failure_of
 from tests.runners.sglang_style import BUGS
 
 # bug -> the check that names it (found after step 0 unless listed below)
@@ -86,10 +86,4 @@ def test_each_timing_free_bug_is_caught_on_a_gpu(bug: str) -> None:
 
 
 def _assert_caught(bug: str, backend: str, check: str) -> None:
-    with pytest.raises(GraphmodeFailure) as caught:
-        run_campaign(
-            _factory(bug), backend=backend, max_examples=300, max_steps=8, seed=0, shrink_seconds=0
-        )
-    failure = caught.value.failure
-    assert failure.check == check, failure.message
-    assert (failure.step == MADE_TWINS) == (bug in FOUND_AT_START_UP), failure.message
+    assert_caught(failure_of(_factory(bug), backend), check, at_start_up=bug in FOUND_AT_START_UP)

@@ -10,10 +10,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pytest_graphmode.failure import MADE_TWINS
-from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
+from pytest_graphmode.fuzz import run_campaign
 from pytest_graphmode.runtime.backends.sim import drop_in
 from tests.runners import side_copy_target
+from tests.runners.caught import assert_caught, failure_of
 from tests.runners.side_copy import BUGS
 
 # bug -> (the check that names it, whether it is found before step 0, when the twins are made)
@@ -79,13 +79,7 @@ def test_each_timing_free_bug_is_caught_on_a_gpu(bug: str) -> None:
 
 def _assert_caught(bug: str, backend: str) -> None:
     check, when_made = CAUGHT_BY[bug]
-    with pytest.raises(GraphmodeFailure) as caught:
-        run_campaign(
-            _factory(bug), backend=backend, max_examples=300, max_steps=8, seed=0, shrink_seconds=0
-        )
-    failure = caught.value.failure
-    assert failure.check == check, failure.message
-    assert (failure.step == MADE_TWINS) == when_made, failure.message
+    assert_caught(failure_of(_factory(bug), backend), check, at_start_up=when_made)
 
 
 def _need_a_gpu() -> None:

@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
-from pytest_graphmode.failure import MADE_TWINS
-from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
+from pytest_graphmode.fuzz import run_campaign
 from pytest_graphmode.runtime.backends.sim import drop_in
 from tests.runners import static_cache_style_target
+from tests.runners.caught import assert_caught, failure_of
 from tests.runners.static_cache_style import BUGS
 
 # bug -> the check that names it, on seeds 0-2 by the third example at most
@@ -80,17 +80,6 @@ def test_each_bug_is_caught_on_a_gpu(bug: str) -> None:
 
 
 def _assert_caught(bug: str, backend: str) -> None:
-    with pytest.raises(GraphmodeFailure) as caught:
-        run_campaign(
-            _factory(bug),
-            backend=backend,
-            max_examples=300,
-            max_steps=8,
-            seed=0,
-            shrink_seconds=0,
-        )
-    failure = caught.value.failure
+    failure = failure_of(_factory(bug), backend)
     expected = ON_CUDA[bug] if backend == "cuda" else CAUGHT_BY[bug]
-    assert failure.check == expected, failure.message
-    at_start_up = backend == "sim" and bug in AT_START_UP_ON_SIM
-    assert (failure.step == MADE_TWINS) == at_start_up, failure.message
+    assert_caught(failure, expected, at_start_up=backend == "sim" and bug in AT_START_UP_ON_SIM)

@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import pytest
 
-from pytest_graphmode.failure import MADE_TWINS
-from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
+from pytest_graphmode.fuzz import run_campaign
 from pytest_graphmode.runtime.backends.sim import drop_in
 from tests.runners import trtllm_style_target
+from tests.runners.caught import assert_caught, failure_of
 from tests.runners.trtllm_style import BUGS
 
 # bug -> the check that names it; every graph is captured lazily, so none is found at start-up
@@ -88,16 +88,5 @@ def test_each_timing_free_bug_is_caught_on_a_gpu(bug: str) -> None:
 
 
 def _assert_caught(bug: str, backend: str) -> None:
-    with pytest.raises(GraphmodeFailure) as caught:
-        run_campaign(
-            _factory(bug),
-            backend=backend,
-            max_examples=300,
-            max_steps=8,
-            seed=SEED.get(bug, 0),
-            shrink_seconds=0,
-        )
-    failure = caught.value.failure
-    expected = ON_CUDA[bug] if backend == "cuda" else {CAUGHT_BY[bug]}
-    assert failure.check in expected, failure.message
-    assert failure.step != MADE_TWINS, failure.message
+    failure = failure_of(_factory(bug), backend, seed=SEED.get(bug, 0))
+    assert_caught(failure, ON_CUDA[bug] if backend == "cuda" else CAUGHT_BY[bug], at_start_up=False)
