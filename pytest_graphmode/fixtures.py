@@ -94,9 +94,6 @@ class GraphmodeFuzz:
             from pytest_graphmode.fuzz.ranks import run_rank_campaign
 
             campaign = functools.partial(run_rank_campaign, ranks=run.ranks)
-        campaign = functools.partial(
-            campaign, shrink_seconds=run.shrink_seconds, cpu_threads=run.cpu_threads
-        )
         workers = workers_per_campaign(run, seconds)
         if workers > 1 and (run.workers is not None or can_isolate(factory)):
             from pytest_graphmode.fuzz.helpers import run_with_helpers
@@ -119,6 +116,9 @@ class GraphmodeFuzz:
                 settings=settings or hypothesis_settings(examples),
                 stats=stats,
                 seconds=seconds,
+                # Arguments of the call, not of a partial: helper campaigns get them too.
+                shrink_seconds=run.shrink_seconds,
+                cpu_threads=run.cpu_threads,
             )
         except BaseException as ended:
             # What ran until the failure, an error or Ctrl-C belongs in the summary and report.

@@ -200,12 +200,14 @@ class _Helpers:
         if isinstance(ended, GraphmodeFailure):
             note = (
                 f"\nfound by helper campaign {index + 1} of {len(self._children)} (seed "
-                f"{self._seeds[index]}), a process fuzzing beside this one; its replay snippet "
-                "replays it alone"
+                f"{self._seeds[index]}), a process fuzzing beside this one (the example count "
+                "and seconds above are its own); its replay snippet replays it alone"
             )
-            ended.failure = dataclasses.replace(ended.failure, message=ended.failure.message + note)
+            failure = dataclasses.replace(ended.failure, message=ended.failure.message + note)
             with self.lock:
-                child.stats.failures[-1:] = [ended.failure]
+                child.stats.failures[-1:] = [failure]
+            # A new exception: its argument, the message pytest shows, must hold the note too.
+            ended = GraphmodeFailure(failure, ended.stats)
         return ended
 
     def end(self, *, wait: bool) -> None:

@@ -80,8 +80,15 @@ def test_a_helpers_failure_is_reported_with_its_seed_and_stops_the_campaign() ->
     idle = _Idle()
     stats = CampaignStats()
     with pytest.raises(GraphmodeFailure) as caught:
-        run_with_helpers(idle, DRIFTING, **_helpers(helpers=2, seconds=120.0, seed=7, stats=stats))
+        run_with_helpers(
+            idle,
+            DRIFTING,
+            **_helpers(helpers=2, seconds=120.0, seed=7, stats=stats, shrink_seconds=0),
+        )
     failure = caught.value.failure
+    assert str(caught.value) == failure.message  # what pytest shows holds the note below
+    # The helper's shrink budget, or the note that a leading example is never shrunk.
+    assert "budget of 0 s" in failure.message or "leading examples" in failure.message
     assert caught.value.stats is stats
     assert failure.check == "replay_matches_eager"
     assert idle.stopped  # ended by the helper's find, long before its 120 s

@@ -359,3 +359,48 @@ def test_a_time_budgeted_campaign_runs_on_the_workers_asked(
     # own campaign runs in-process on sim, where no step is counted for that check.
     assert report["checks_run"]["no_device_fault"] >= 1
     assert report["checks_run"]["replay_matches_eager"] > report["checks_run"]["no_device_fault"]
+
+
+HELPER_FINDS = """
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from graphmode_toy import make_target_broken_in_children
+
+
+@pytest.mark.graphmode_fuzz
+def test_found_by_a_helper(graphmode_fuzz):
+    # Drawn examples only (no leading ones, which are never shrunk), under a time budget.
+    drawn = settings(
+        max_examples=10_000,
+        phases=[Phase.generate, Phase.shrink],
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    graphmode_fuzz(make_target_broken_in_children, max_steps=3, settings=drawn, seconds=120)
+"""
+
+
+def test_a_helpers_failure_is_reported_with_the_runs_shrink_budget(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    run = run_project(
+        tmp_path_factory,
+        {"test_own.py": HELPER_FINDS},
+        f"--graphmode-target={TOY}",
+        "--graphmode-backend=sim",
+        "--graphmode-seed=1",
+        "--graphmode-workers=2",
+        "--graphmode-shrink-seconds=0",
+        "--graphmode-fuzz-only",
+    )
+    assert run.ret == 1, run.text
+    run.fnmatch_lines(
+        [
+            "*graphmode check 'replay_matches_eager' failed at step *",
+            # The helper kept to the run's shrink budget, and the message names it.
+            "*shrinking stopped at its budget of 0 s after *",
+            "found by helper campaign 1 of 1 (seed *), a process fuzzing beside this one*",
+            "failures: 1",
+        ]
+    )

@@ -79,6 +79,15 @@ def make_broken_target(mode: str, *, seed: int, backend: str) -> ToyTarget:
     return ToyTarget(mode, seed, logit_offset=1.0 if mode == "graph" else 0.0)
 
 
+def make_target_broken_in_children(mode: str, *, seed: int, backend: str) -> ToyTarget:
+    """Correct in the process pytest runs in, broken in its child processes: only a helper
+    campaign can find the bug."""
+    import multiprocessing
+
+    in_child = multiprocessing.parent_process() is not None
+    return (make_broken_target if in_child else make_target)(mode, seed=seed, backend=backend)
+
+
 # Broken targets, each rejected before any campaign starts.
 
 
