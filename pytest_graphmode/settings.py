@@ -225,6 +225,7 @@ def resolve(config: pytest.Config) -> GraphmodeSettings:
     else:
         seed = random.Random().getrandbits(32)
     fuzz_only = bool(config.getoption("graphmode_fuzz_only"))
+    ranks = 1 if raw["ranks"] is None else _parse_int("ranks", raw["ranks"])
     return GraphmodeSettings(
         fuzz=fuzz_only or bool(config.getoption("graphmode_fuzz")),
         fuzz_only=fuzz_only,
@@ -241,9 +242,9 @@ def resolve(config: pytest.Config) -> GraphmodeSettings:
         report=None if raw["report"] is None else Path(raw["report"]),
         shrink_seconds=_parse_seconds("shrink_seconds", raw["shrink_seconds"]),
         isolate_option=isolate,
-        ranks=1 if raw["ranks"] is None else _parse_int("ranks", raw["ranks"]),
+        ranks=ranks,
         cpu_threads=_cpu_threads(raw["cpu_threads"]),
-        workers=_workers(raw["workers"], seconds, raw["ranks"]),
+        workers=_workers(raw["workers"], seconds, ranks),
         distributed=workerinput is not None or bool(getattr(config.option, "numprocesses", None)),
     )
 
@@ -318,7 +319,7 @@ def _parse_seconds(name: str, text: str | None) -> float:
     return value
 
 
-def _workers(text: str | None, seconds: float | None, ranks: str | None) -> int | None:
+def _workers(text: str | None, seconds: float | None, ranks: int) -> int | None:
     """--graphmode-workers: None for auto; a count above 1 only where campaigns can use it."""
     if text is None or text == "auto":
         return None
@@ -329,7 +330,7 @@ def _workers(text: str | None, seconds: float | None, ranks: str | None) -> int 
             "(the dev profile, or --graphmode-seconds): a campaign of a count of examples runs "
             "that count in one process"
         )
-    if workers > 1 and ranks is not None and int(ranks) > 1:
+    if workers > 1 and ranks > 1:
         raise pytest.UsageError(
             f"--graphmode-workers / graphmode_workers: {workers} processes cannot be combined "
             "with --graphmode-ranks above 1 (each rank is a process already)"

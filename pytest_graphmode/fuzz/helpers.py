@@ -140,21 +140,19 @@ class _Helpers:
         self.on_news: Callable[[], None] = lambda: None
         self._found_at: float | None = None
         self._first_failing: int | None = None
+        self._seed = seed
         self._children: list[CampaignChild] = []
-        self._seeds: list[int | None] = []
         self._outcomes: dict[int, tuple[str, Any]] = {}
         for helper in range(1, count + 1):
-            seeded = helper_seed(seed, helper)
             self._children.append(
                 start_child(
                     factory,
-                    dict(arguments, seed=seeded, deadline=deadline),
+                    dict(arguments, seed=helper_seed(seed, helper), deadline=deadline),
                     False,
                     CampaignStats(),
                     f"graphmode-helper-{helper}",
                 )
             )
-            self._seeds.append(seeded)
         self._ending = threading.Event()
         self._relay = threading.Thread(target=self._listen, name="graphmode-helpers", daemon=True)
         self._relay.start()
@@ -200,7 +198,7 @@ class _Helpers:
         if isinstance(ended, GraphmodeFailure):
             note = (
                 f"\nfound by helper campaign {index + 1} of {len(self._children)} (seed "
-                f"{self._seeds[index]}), a process fuzzing beside this one (the example count "
+                f"{helper_seed(self._seed, index + 1)}), a process fuzzing beside this one (the example count "
                 "and seconds above are its own); its replay snippet replays it alone"
             )
             failure = dataclasses.replace(ended.failure, message=ended.failure.message + note)
