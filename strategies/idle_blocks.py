@@ -11,6 +11,14 @@ slots afterwards: any write to them, of any value, is then a change.
 A correct runner does not read those blocks for a valid row (their values reach no result), and
 the mark is finite, so attention that multiplies masked values by zero stays finite. Only floating
 slot-major tensors are marked: integer state may hold indices that a correct runner follows.
+
+The slots the step must write (its valid slots: positions `context_len .. seq_len - 1` of each
+request) get the mark too, and are not restored: the step overwrites them. A slot that still
+holds the mark afterwards was never written, so that token's keys and values went elsewhere (the
+null block, most often: a block-table column the runner never filled), which no comparison of
+twins sees when every twin runs the same wrong table (`kv_writes_land`). A correct runner reads
+such a slot only after writing it: causal attention sees positions up to its own, and the step
+writes them before it attends.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pytest_graphmode.contract import Batch, TargetSpec, slot_major
+from pytest_graphmode.contract import Batch, TargetSpec, kv_slot, request_slots, slot_major
 from pytest_graphmode.strategies.stressors import live_indices
 
 MARK = 0.5
@@ -58,6 +66,19 @@ def idle_slots(spec: TargetSpec, batches: Sequence[Batch]) -> list[int]:
     ]
 
 
+def _floating_slot_major(
+    states: Sequence[Mapping[str, torch.Tensor]], spec: TargetSpec
+) -> list[tuple[torch.Tensor, int]]:
+    """The floating slot-major tensors of `states`, as integer views of their bits, each with the
+    bits of `MARK` in its dtype."""
+    return [
+        (tensor.detach().view(_BITS[tensor.element_size()]), _mark_bits(tensor.dtype))
+        for state in states
+        for tensor in state.values()
+        if tensor.is_floating_point() and slot_major(tensor, spec)
+    ]
+
+
 def mark_idle_blocks(
     states: Sequence[Mapping[str, torch.Tensor]], spec: TargetSpec, batches: Sequence[Batch]
 ) -> MarkedBlocks:
@@ -68,17 +89,73 @@ def mark_idle_blocks(
     if not slots:
         return marked
     on_device: dict[torch.device, torch.Tensor] = {}
-    for state in states:
-        for tensor in state.values():
-            if not (tensor.is_floating_point() and slot_major(tensor, spec)):
-                continue
-            bits = tensor.detach().view(_BITS[tensor.element_size()])
-            index = on_device.get(tensor.device)
-            if index is None:
-                index = on_device[tensor.device] = torch.tensor(slots, device=tensor.device)
-            marked.saved.append((bits, index, bits.index_select(0, index)))
-            bits.index_fill_(0, index, _mark_bits(tensor.dtype))
+    for bits, mark in _floating_slot_major(states, spec):
+        index = on_device.get(bits.device)
+        if index is None:
+            index = on_device[bits.device] = torch.tensor(slots, device=bits.device)
+        marked.saved.append((bits, index, bits.index_select(0, index)))
+        bits.index_fill_(0, index, mark)
     return marked
+
+
+def mark_slots_to_write(
+    states: Sequence[Mapping[str, torch.Tensor]], spec: TargetSpec, batches: Sequence[Batch]
+) -> None:
+    """Fill `slots_to_write(spec, batches)` in every floating slot-major tensor of `states` with
+    `MARK`, saving nothing: the steps overwrite them (module docstring)."""
+    slots = slots_to_write(spec, batches)
+    if not slots:
+        return
+    on_device: dict[torch.device, torch.Tensor] = {}
+    for bits, mark in _floating_slot_major(states, spec):
+        index = on_device.get(bits.device)
+        if index is None:
+            index = on_device[bits.device] = torch.tensor(slots, device=bits.device)
+        bits.index_fill_(0, index, mark)
+
+
+def slots_to_write(spec: TargetSpec, batches: Sequence[Batch]) -> list[int]:
+    """The slots marked before `batches` run back to back (a pipelined pair) and judged after the
+    last: every slot the first writes, and those of each later batch that no earlier one reads. A
+    request that finishes at the first step may hand its block to one that starts at the second,
+    and the first step still reads that block's cached positions."""
+    slots: set[int] = set()
+    read: set[int] = set()
+    for batch in batches:
+        slots.update(slot for slot in written_slots(batch, spec) if slot not in read)
+        read.update(
+            kv_slot(request.block_ids, position, spec.block_size)
+            for request in batch.requests
+            for position in range(request.seq_len)
+        )
+    return sorted(slots)
+
+
+def written_slots(batch: Batch, spec: TargetSpec) -> dict[int, tuple[int, int]]:
+    """Slot -> (req_id, position) for every slot `batch` writes."""
+    return {
+        slot: (request.req_id, request.context_len + i)
+        for request in batch.requests
+        for i, slot in enumerate(request_slots(request, spec.block_size))
+    }
+
+
+def unwritten_slots(
+    state: Mapping[str, torch.Tensor], spec: TargetSpec, slots: Sequence[int]
+) -> list[int]:
+    """Those of `slots` that hold the mark in every element of every floating slot-major tensor of
+    `state` (a host snapshot taken after the step): no write reached them. Empty when `state` has
+    no such tensor. One tensor still marked is not enough: state the runner writes less often
+    than once a token (a scale per block, say) may keep the mark legitimately."""
+    tensors = _floating_slot_major([state], spec)
+    if not tensors or not slots:
+        return []
+    index = torch.tensor(slots)
+    still = torch.ones(len(slots), dtype=torch.bool)
+    for bits, mark in tensors:
+        rows = bits.index_select(0, index.to(bits.device)).reshape(len(slots), -1)
+        still &= (rows == mark).all(dim=1).cpu()
+    return [slot for slot, marked in zip(slots, still.tolist(), strict=True) if marked]
 
 
 @functools.cache

@@ -53,7 +53,8 @@ How each bug class of docs/bug-classes.md is provoked (before the arrow) and see
    padding_inert
 2. randomness: sampled requests in other buckets, padding and company
    -> replay_matches_eager, sampling_independent
-3. stale buffers: every static buffer poisoned before every step -> padding_inert
+3. stale buffers: every static buffer poisoned before every step, the slots each step must write
+   marked before it -> padding_inert, kv_writes_land
 4. host values: replays of other contents and lengths than the capture batch
    -> replay_matches_eager, states_match
 5. graph key: same-size steps of another kind, query length or adapter mix

@@ -10,10 +10,16 @@ import torch
 from pytest_graphmode.contract import Batch, TargetSpec, request_slots, slot_major
 from pytest_graphmode.fuzz.tolerance import same_bits, within
 from pytest_graphmode.fuzz.violation import Violation, differences
+from pytest_graphmode.strategies.idle_blocks import (
+    slots_to_write,
+    unwritten_slots,
+    written_slots,
+)
 
 State = Mapping[str, torch.Tensor]
 
 KV_WRITES_CONFINED = "kv_writes_confined"
+KV_WRITES_LAND = "kv_writes_land"
 STATES_MATCH = "states_match"
 
 
@@ -80,6 +86,52 @@ def kv_writes_confined(
                 )
             ]
     return []
+
+
+def kv_writes_land(
+    batch: Batch, after: State, spec: TargetSpec, twin: str = "graph", also: Sequence[Batch] = ()
+) -> list[Violation]:
+    """Every token of the step stores its keys and values in its own slot (`kv_slot` of its
+    position through its request's `block_ids`).
+
+    The harness marks those slots before the step (`strategies/idle_blocks.py`); one that still
+    holds the mark in all of the twin's floating slot-major state afterwards was never written: the
+    token's K/V went to another slot, most often the null block through a block-table entry the
+    runner never filled, where `kv_writes_confined` allows it. Every twin running the same wrong
+    table reads them back from there alike, so no comparison of twins sees it until a later step
+    reads the request's cache through the right table. `also`: the later step of a pipelined
+    pair, whose slots were marked too where the first step reads none of them
+    (`slots_to_write`)."""
+    batches = (batch, *also)
+    missing = unwritten_slots(after, spec, slots_to_write(spec, batches))
+    return unlanded(batches, missing, spec, twin)
+
+
+def unlanded(
+    batches: Sequence[Batch], missing: Sequence[int], spec: TargetSpec, twin: str
+) -> list[Violation]:
+    """The `kv_writes_land` violation for `missing`, slots of `batches` that `twin` left
+    unwritten (none when it is empty)."""
+    if not missing:
+        return []
+    owners: dict[int, tuple[int, int]] = {}
+    for written in batches:
+        owners.update(written_slots(written, spec))
+    slot = missing[0]
+    req_id, position = owners[slot]
+    steps = "these two steps" if len(batches) > 1 else "the step"
+    return [
+        Violation(
+            KV_WRITES_LAND,
+            f"{twin} twin never wrote slot {slot} (block {slot // spec.block_size}), where req "
+            f"{req_id}'s position {position} belongs: {steps} stored that token's keys and "
+            f"values elsewhere ({len(missing)} such slot(s) in all)",
+            req_id=req_id,
+            slot=slot,
+            expected=f"req {req_id}'s keys and values for position {position}",
+            actual="the mark the harness left there before the step, in every element",
+        )
+    ]
 
 
 def states_match(

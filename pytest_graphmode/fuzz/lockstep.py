@@ -44,7 +44,13 @@ from pytest_graphmode.fuzz.snippet import replay_snippet
 from pytest_graphmode.fuzz.violation import Violation
 from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.strategies import stressors
-from pytest_graphmode.strategies.idle_blocks import MarkedBlocks, mark_idle_blocks
+from pytest_graphmode.strategies.idle_blocks import (
+    MarkedBlocks,
+    mark_idle_blocks,
+    mark_slots_to_write,
+    unwritten_slots,
+    written_slots,
+)
 from pytest_graphmode.strategies.plans import Reset, Stress
 
 Event = Batch | Stress | Reset
@@ -112,6 +118,7 @@ class _References:
     company_batch: Batch | None
     company: Outcome | None
     live: StepResult | None
+    company_unwritten: tuple[int, ...] = ()  # the company's slots to write left unwritten
 
 
 class Lockstep:
@@ -326,18 +333,22 @@ class Lockstep:
     def _check_step(
         self, step: int, batch: Batch, kept: list[Kept], stress: Stress
     ) -> tuple[list[Violation], list[Kept]]:
-        marked = self._mark_idle_blocks([batch])
+        marked = self._mark_blocks([batch])
         try:
             return self._checked_step(step, batch, kept, stress)
         finally:
             marked.restore()
 
-    def _mark_idle_blocks(self, batches: Sequence[Batch]) -> MarkedBlocks:
-        """Mark the blocks no request of `batches` lists on the graph and eager twins, before
-        their state is snapshotted for the step (`idle_blocks.py`): a write there then shows even
-        when it stores the bits the slot held. Both twins alike, so that their states still
-        match; the clean and company twins are references and stay as they are."""
-        return mark_idle_blocks([self.graph.state(), self.eager.state()], self.spec, batches)
+    def _mark_blocks(self, batches: Sequence[Batch]) -> MarkedBlocks:
+        """Mark the blocks no request of `batches` lists, and the slots `batches` write, on the
+        graph and eager twins, before their state is snapshotted for the step (`idle_blocks.py`):
+        a write to an idle block then shows even when it stores the bits the slot held, and a
+        slot left unwritten shows as still marked. Both twins alike, so that their states still
+        match; the clean and company twins are references and stay as they are. Only the idle
+        blocks are restored afterwards."""
+        states = [self.graph.state(), self.eager.state()]
+        mark_slots_to_write(states, self.spec, batches)
+        return mark_idle_blocks(states, self.spec, batches)
 
     def _checked_step(
         self, step: int, batch: Batch, kept: list[Kept], stress: Stress
@@ -345,7 +356,8 @@ class Lockstep:
         graph_before, eager_before = snapshot(self.graph.state()), snapshot(self.eager.state())
         with stressors.delayed_step(self.backend, stress):
             graph = step_outcome(self.graph, batch)
-        eager, clean, sub, company = self._reference_steps(batch)
+        refs = self._reference_steps(batch)
+        eager, clean = refs.eager, refs.clean
         self._count(batch, graph.result)
         now = [(r, _clones(r), step) for r in (graph.result, eager.result) if r is not None]
         raised = bool(graph.error or eager.error)
@@ -362,8 +374,9 @@ class Lockstep:
             clean_after={} if raised else snapshot(self.clean.state()),
             views=[] if raised else self.graph.address_views(),
             kept=kept,
-            company_batch=sub,
-            company=company,
+            company_batch=refs.company_batch,
+            company=refs.company,
+            company_unwritten=refs.company_unwritten,
             step=step,
             races=self.backend.take_races(),
         )
@@ -383,24 +396,32 @@ class Lockstep:
                 return found
         return []
 
-    def _reference_steps(
-        self, batch: Batch
-    ) -> tuple[Outcome, Outcome, Batch | None, Outcome | None]:
+    def _reference_steps(self, batch: Batch) -> _References:
         """`batch` on the eager and clean twins, and its sampled requests on the company twin
-        (the sub-batch and its outcome, None without one)."""
+        (the sub-batch and its outcome, None without one). The company twin's slots to write
+        are marked before its step and read right after it (`kv_writes_land`): its requests
+        live in other rows and blocks than on the other twins, so a table gone wrong with that
+        history shows there first."""
         eager, clean = step_outcome(self.eager, batch), step_outcome(self.clean, batch)
         sub = sampling_check.company_batch(batch, self._renaming) if self.company else None
-        company = step_outcome(self.company, sub) if self.company and sub else None
-        return eager, clean, sub, company
+        if self.company is None or sub is None:
+            return _References(eager, clean, None, None, eager.result)
+        mark_slots_to_write([self.company.state()], self.spec, [sub])
+        company = step_outcome(self.company, sub)
+        unwritten: list[int] = []
+        if company.error is None:
+            slots = sorted(written_slots(sub, self.spec))
+            unwritten = unwritten_slots(self.company.state(), self.spec, slots)
+        return _References(eager, clean, sub, company, eager.result, tuple(unwritten))
 
     def _references(self, batch: Batch) -> _References:
-        eager, clean, sub, company = self._reference_steps(batch)
-        return _References(
-            _frozen(eager),
-            _frozen(clean),
-            sub,
-            None if company is None else _frozen(company),
-            eager.result,
+        """`_reference_steps`, its outcomes copied to the host as they are now."""
+        refs = self._reference_steps(batch)
+        return dataclasses.replace(
+            refs,
+            eager=_frozen(refs.eager),
+            clean=_frozen(refs.clean),
+            company=None if refs.company is None else _frozen(refs.company),
         )
 
     def _run_pair(
@@ -422,7 +443,7 @@ class Lockstep:
         first step, the states after the pair with the second (see `Evidence`).
         """
         churned = self._stress(first.stress, previous, first.batch, self._rng(step))
-        marked = self._mark_idle_blocks([first.batch, second.batch])
+        marked = self._mark_blocks([first.batch, second.batch])
         try:
             judged, graph1, ref1 = self._pair_evidence(step, first, second, kept)
         finally:
@@ -500,6 +521,7 @@ class Lockstep:
                 kept=kept0,
                 company_batch=ref0.company_batch,
                 company=ref0.company,
+                company_unwritten=ref0.company_unwritten,
                 states_read=states_read,
                 pipelined="first",
                 paired=(second.batch,),
@@ -533,6 +555,7 @@ class Lockstep:
                     ),
                     company_batch=ref1.company_batch,
                     company=ref1.company,
+                    company_unwritten=ref1.company_unwritten,
                     states_read=states_read,
                     pipelined="second",
                     paired=(first.batch,),

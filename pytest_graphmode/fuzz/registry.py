@@ -78,6 +78,9 @@ class Evidence:
     # (all four run the same runner code) and the harness work around them; None where the
     # backend has no race checker (cuda).
     races: Sequence[Race] | None = None
+    # The company twin's slots that its batch writes and that still held the harness's mark
+    # right after its step (`kv_writes_land`); its state is read there, not snapshotted.
+    company_unwritten: Sequence[int] = ()
 
     @property
     def twin_raised(self) -> bool:
@@ -103,6 +106,16 @@ def _kv_writes_confined(e: Evidence) -> list[Violation]:
             e.batch, e.eager_before, e.eager_after, e.spec, "eager", e.paired
         ),
     ]
+
+
+def _kv_writes_land(e: Evidence) -> list[Violation]:
+    found = [
+        *kv_checks.kv_writes_land(e.batch, e.graph_after, e.spec, "graph", e.paired),
+        *kv_checks.kv_writes_land(e.batch, e.eager_after, e.spec, "eager", e.paired),
+    ]
+    if e.company_batch is not None and e.company_unwritten:
+        found += kv_checks.unlanded((e.company_batch,), e.company_unwritten, e.spec, "company")
+    return found
 
 
 def _results_stay_valid(e: Evidence) -> list[Violation]:
@@ -150,6 +163,13 @@ REGISTRY: tuple[Check, ...] = (
     Check(
         kv_checks.KV_WRITES_CONFINED,
         _kv_writes_confined,
+        applies=lambda e: e.states_read and e.pipelined != "second",
+    ),
+    # A token whose K/V went elsewhere (the null block, through a block-table entry never filled)
+    # is a root cause too; named after a stray write, which says whose slot it took.
+    Check(
+        kv_checks.KV_WRITES_LAND,
+        _kv_writes_land,
         applies=lambda e: e.states_read and e.pipelined != "second",
     ),
     # A sampler that reads the wrong row or a stale seed also makes the graph twin's tokens (and

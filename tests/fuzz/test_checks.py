@@ -10,6 +10,7 @@ from pytest_graphmode.contract import AddressView, Batch, Request, StepResult, T
 from pytest_graphmode.fuzz import addresses, checks, kv_checks, sampling_check
 from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.violation import differences
+from pytest_graphmode.strategies.idle_blocks import MARK
 
 SPEC = TargetSpec(
     num_blocks=4,
@@ -260,3 +261,33 @@ def test_differences_name_the_first_differing_element_and_the_count() -> None:
     texts = differences(expected, actual)
     assert texts["expected"] == "element (1, 2) = 0.0"
     assert texts["actual"] == "element (1, 2) = 5.0 (1 of 6 elements differ)"
+
+
+def _marked_where(slots: list[int], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for tensor in state.values():
+        tensor[slots] = MARK
+    return state
+
+
+def test_every_slot_of_the_step_written_lands() -> None:
+    assert kv_checks.kv_writes_land(BATCH, kv(s6=1.0, s2=-1.0), SPEC) == []
+
+
+def test_a_slot_of_the_step_left_marked_names_request_position_and_block() -> None:
+    after = _marked_where([6], kv(s2=1.0))
+    [v] = kv_checks.kv_writes_land(BATCH, after, SPEC)
+    assert (v.check, v.slot, v.req_id) == ("kv_writes_land", 6, 7)
+    assert "never wrote slot 6 (block 3), where req 7's position 2 belongs" in v.detail
+
+
+def test_a_slot_another_floating_tensor_wrote_has_landed() -> None:
+    # A per-slot tensor the runner writes less often than every token keeps its mark: the write
+    # of the keys elsewhere in the state is what counts.
+    after = {**_marked_where([6], kv()), "scale": _marked_where([6], {"s": torch.zeros(8)})["s"]}
+    after["kv"][6, 0] = 2.0
+    assert kv_checks.kv_writes_land(BATCH, after, SPEC) == []
+
+
+def test_state_without_floating_slot_major_tensors_gives_nothing_to_judge() -> None:
+    ids = {"ids": torch.zeros(SPEC.num_slots, dtype=torch.int64)}
+    assert kv_checks.kv_writes_land(BATCH, ids, SPEC) == []

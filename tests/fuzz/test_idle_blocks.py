@@ -6,7 +6,14 @@ from __future__ import annotations
 import torch
 
 from pytest_graphmode.contract import Batch, Request
-from pytest_graphmode.strategies.idle_blocks import MARK, idle_slots, mark_idle_blocks
+from pytest_graphmode.strategies.idle_blocks import (
+    MARK,
+    idle_slots,
+    mark_idle_blocks,
+    mark_slots_to_write,
+    slots_to_write,
+    unwritten_slots,
+)
 from tests.fuzz.toy import SPEC
 
 SIZE = SPEC.block_size
@@ -62,3 +69,32 @@ def test_with_every_block_listed_nothing_is_marked():
     )
     kv = torch.randn(SPEC.num_slots, 2)
     assert mark_idle_blocks([{"kv": kv}], SPEC, [every]).saved == []
+
+
+def test_the_slots_a_step_writes_are_marked_and_not_saved():
+    # FIRST writes req 0's positions 0 and 1 (block 3, slots 12-13) and req 1's 5 (block 7)
+    kv = torch.randn(SPEC.num_slots, 3)
+    ids = torch.arange(SPEC.num_slots)
+    before = kv.clone()
+    mark_slots_to_write([{"kv": kv, "ids": ids}], SPEC, [FIRST])
+    written = [3 * SIZE, 3 * SIZE + 1, 7 * SIZE + 1]
+    assert slots_to_write(SPEC, [FIRST]) == written
+    assert bool((kv[written] == MARK).all())
+    others = torch.ones(SPEC.num_slots, dtype=torch.bool)
+    others[written] = False
+    assert torch.equal(kv[others], before[others]) and torch.equal(
+        ids, torch.arange(SPEC.num_slots)
+    )
+    assert unwritten_slots({"kv": kv}, SPEC, written) == written
+    kv[written[1], 2] = 1.0  # one element written is a write
+    assert unwritten_slots({"kv": kv}, SPEC, written) == [written[0], written[2]]
+
+
+def test_a_pair_leaves_unmarked_the_slots_its_second_step_writes_where_the_first_reads():
+    # req 0 reads block 3 at the first step; it finishes, and req 2 starts in block 3 at the
+    # second: marking that slot before the pair would overwrite what the first step attends to.
+    handed_on = Batch((Request(2, (1,), 0, (3,)),))
+    assert slots_to_write(SPEC, [FIRST, handed_on]) == slots_to_write(SPEC, [FIRST])
+    assert slots_to_write(SPEC, [FIRST, SECOND]) == sorted(
+        [*slots_to_write(SPEC, [FIRST]), 9 * SIZE]
+    )

@@ -135,6 +135,21 @@ def test_kv_writes_of_a_pair_may_touch_either_steps_slots() -> None:
     assert "these two steps do not write" in violation.detail
 
 
+def test_a_block_handed_on_within_a_pair_keeps_what_the_first_step_reads() -> None:
+    """A request finishes between the steps of a pair and the next one starts in its block: the
+    first step still attends to that block, so the slots the second step writes there are not
+    marked before the pair (`idle_blocks.slots_to_write`); a correct runner passes."""
+    first = Request(0, (5,), context_len=2, block_ids=(3,))
+    events = [
+        Batch((Request(0, (4, 6), context_len=0, block_ids=(3,)),)),
+        Batch((first,)),
+        PAIRED,  # the second step of the pair: `first` and this one
+        Batch((Request(1, (7,), context_len=0, block_ids=(3,)),)),
+    ]
+    stats = replay(events, factory=toy.make_target, seed=3)
+    assert stats.failures == [] and stats.pipelined_steps == 2
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.data())
 def test_only_the_single_rank_draws_are_pipelined(data: st.DataObject) -> None:

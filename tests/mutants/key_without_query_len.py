@@ -15,6 +15,9 @@ from tests.runners import minimal
 
 BUG_CLASS = 5
 EXPECTED_CHECK = "replay_matches_eager"
+# The draft tokens' keys and values are never written: named first when the draft's own slot is
+# judged before any logits.
+ALSO_SEEN_BY = ("kv_writes_land",)
 
 
 class KeyWithoutQueryLen(minimal.MinimalRunner):

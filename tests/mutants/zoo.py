@@ -13,6 +13,7 @@ MODULES = (
     "noise_keyed_by_row",
     "global_generator_noise",
     "tables_upload_skipped",
+    "slots_from_last_table",
     "buffer_rebound",
     "greedy_flag_baked",
     "context_len_on_host",

@@ -21,19 +21,22 @@ CAUGHT_BY = {
     # a mixed batch replays a decode graph; the sim refuses the index it computes out of bounds
     "uniform_decode_by_token_total": "replay_matches_eager",
     "piecewise_pad_slots_stale": "kv_writes_confined",
-    # a request moved into a hole appends its next block at the wrong column: it needs a
-    # departure from a middle row, then a block boundary of the moved request (84-139 examples)
-    "block_count_not_moved_on_condense": "sampling_independent",
+    # a request moved into a hole appends its next block at the wrong column, so the token that
+    # starts that block writes elsewhere: it needs a departure from a middle row, then a block
+    # boundary of the moved request (84-139 examples)
+    "block_count_not_moved_on_condense": "kv_writes_land",
     # the padding request reads a departed request's table row: out of bounds on the sim
     "decode_table_uploaded_unpadded": "replay_matches_eager",
 }
 # Found on a GPU without a device fault: the two whose indices run out of bounds would fault on
 # a GPU, which only a campaign in a process of its own (the plugin's) can report and outlive. The
-# race shows on a GPU as wrong values, in the first pipelined pair (delayed).
-ON_CUDA = {
+# race shows on a GPU in the first pipelined pair (delayed): the first step's upload carries the
+# second step's inputs, so a token's keys and values land in another step's slot, or its logits
+# are another row's, whichever a check sees first.
+ON_CUDA: dict[str, str | set[str]] = {
     "piecewise_pad_slots_stale": "kv_writes_confined",
-    "block_count_not_moved_on_condense": "sampling_independent",
-    "batch_updated_before_prep_wait": "replay_matches_eager",
+    "block_count_not_moved_on_condense": "kv_writes_land",
+    "batch_updated_before_prep_wait": {"kv_writes_land", "replay_matches_eager"},
 }
 
 

@@ -21,7 +21,7 @@ CAUGHT_BY = {
     "padding_slot_zero": ("states_match", True),  # the start-up capture wrote block 0
     "upload_over_live_inputs": ("no_stream_races", True),  # the first upload vs the allocation
     "padding_slot_zero_in_steps": ("kv_writes_confined", False),
-    "key_without_query_len": ("replay_matches_eager", False),
+    "key_without_query_len": ("kv_writes_land", False),  # the draft tokens' K/V never written
     "temperature_baked": ("replay_matches_eager", False),
     "tokens_read_before_download": ("no_stream_races", False),
     "replay_without_upload_wait": ("no_stream_races", False),

@@ -21,7 +21,7 @@ CAUGHT_BY = {
     "seeds_not_moved_on_condense": "sampling_independent",
     "upload_over_running_replay": "no_stream_races",
     "kv_append_on_unforked_stream": "no_stream_races",
-    "kv_append_count_baked": "replay_matches_eager",
+    "kv_append_count_baked": "kv_writes_land",  # the tokens past the baked count append nothing
     "graph_key_without_kv_blocks": "replay_matches_eager",
     "query_start_loc_tail_stale": "replay_matches_eager",
 }
@@ -36,7 +36,7 @@ SEED = {"query_start_loc_tail_stale": 13}
 ON_CUDA = {
     "seeds_not_moved_on_condense": {"sampling_independent"},
     "kv_append_on_unforked_stream": {"replay_matches_eager", "padding_inert"},
-    "kv_append_count_baked": {"replay_matches_eager"},
+    "kv_append_count_baked": {"kv_writes_land"},
     "graph_key_without_kv_blocks": {"replay_matches_eager"},
     "query_start_loc_tail_stale": {"replay_matches_eager"},
 }
