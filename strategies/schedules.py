@@ -89,10 +89,28 @@ def arrival_lists(spec: TargetSpec) -> st.SearchStrategy[list[Arrival]]:
 
 
 def crowds(spec: TargetSpec) -> st.SearchStrategy[list[Arrival]]:
-    """Requests with short prompts (1-3 tokens), as many as a row count."""
-    short = arrivals(spec).map(lambda a: dataclasses.replace(a, prompt_len=1 + a.prompt_len % 3))
+    """Requests with short prompts (`crowd_prompt_len`), as many as a row count."""
+    size = spec.block_size
+    short = arrivals(spec).map(
+        lambda a: dataclasses.replace(a, prompt_len=crowd_prompt_len(a.prompt_len, size))
+    )
     sized = {n: st.lists(short, min_size=n, max_size=n) for n in range(1, spec.max_num_reqs + 1)}
     return row_counts(spec).flatmap(sized.__getitem__)
+
+
+def crowd_prompt_len(drawn: int, block_size: int) -> int:
+    """A crowd member's prompt length, from an arrival's drawn one: 1-3 tokens, so that a crowd
+    of many requests fits a step's token budget, and with blocks longer than 4 slots, for half of
+    the members, the last 3 positions of the first block instead (`block_size - 2` to
+    `block_size`). A decode-only schedule of a dozen steps advances a 1-3 token prompt by a dozen
+    positions: with 16-slot blocks it would never cross into a second block, and a token that
+    starts a new block is where a block table's new column, a slot mapping and a block count must
+    all follow (`kv_writes_land`). With blocks of 4 slots or fewer, 1-3 tokens already reach the
+    block's end, and the draws are what they always were."""
+    short = 1 + drawn % 3
+    if block_size <= 4 or drawn % 2:  # odd: short, so that shrinking (towards 1) keeps it short
+        return short
+    return block_size + 1 - short
 
 
 def stresses(

@@ -128,6 +128,31 @@ def test_boundary_row_counts_leave_up_to_two_padding_rows_or_cross_into_the_next
     assert schedules_module.boundary_row_counts(wide) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 14, 15, 16]
 
 
+def test_crowd_prompts_reach_the_end_of_a_long_first_block_and_stay_short_in_short_ones():
+    short = {schedules_module.crowd_prompt_len(drawn, 4) for drawn in range(1, 50)}
+    assert short == {1, 2, 3}
+    long = {schedules_module.crowd_prompt_len(drawn, 16) for drawn in range(1, 50)}
+    assert long == {1, 2, 3, 14, 15, 16}
+    assert schedules_module.crowd_prompt_len(1, 16) <= 3  # shrinking keeps a crowd short
+
+
+def test_decode_only_schedules_with_long_blocks_cross_into_a_second_block():
+    long_blocks = dataclasses.replace(SPEC, block_size=16, max_num_tokens=64)
+    crossed = []
+
+    @settings(max_examples=30, database=None, derandomize=True)
+    @given(schedules_module.crowds(long_blocks))
+    def crowd(arrivals):
+        scheduler = BlockScheduler(long_blocks, seed=0)
+        scheduler.compile(StepPlan("prefill", rows=16, arrivals=tuple(arrivals), chunk=64))
+        for _ in range(3):
+            batch = scheduler.compile(StepPlan("decode", rows=16))
+            crossed.extend(r for r in batch.requests if r.context_len % 16 == 0)
+
+    crowd()
+    assert crossed
+
+
 def test_stress_events_precede_their_step():
     stress = Stress(churn=2)
     events = compile_schedule(SPEC, [StepPlan("decode", rows=1, stress=stress)])
