@@ -88,11 +88,7 @@ def mark_idle_blocks(
     slots = idle_slots(spec, batches)
     if not slots:
         return marked
-    on_device: dict[torch.device, torch.Tensor] = {}
-    for bits, mark in _floating_slot_major(states, spec):
-        index = on_device.get(bits.device)
-        if index is None:
-            index = on_device[bits.device] = torch.tensor(slots, device=bits.device)
+    for bits, index, mark in _marked_tensors(states, spec, slots):
         marked.saved.append((bits, index, bits.index_select(0, index)))
         bits.index_fill_(0, index, mark)
     return marked
@@ -104,14 +100,24 @@ def mark_slots_to_write(
     """Fill `slots_to_write(spec, batches)` in every floating slot-major tensor of `states` with
     `MARK`, saving nothing: the steps overwrite them (module docstring)."""
     slots = slots_to_write(spec, batches)
-    if not slots:
-        return
+    if slots:
+        for bits, index, mark in _marked_tensors(states, spec, slots):
+            bits.index_fill_(0, index, mark)
+
+
+def _marked_tensors(
+    states: Sequence[Mapping[str, torch.Tensor]], spec: TargetSpec, slots: Sequence[int]
+) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """(bits, index, mark) for each floating slot-major tensor of `states`: `_floating_slot_major`
+    with `slots` as an index on the tensor's device, made once per device."""
     on_device: dict[torch.device, torch.Tensor] = {}
+    found = []
     for bits, mark in _floating_slot_major(states, spec):
         index = on_device.get(bits.device)
         if index is None:
             index = on_device[bits.device] = torch.tensor(slots, device=bits.device)
-        bits.index_fill_(0, index, mark)
+        found.append((bits, index, mark))
+    return found
 
 
 def slots_to_write(spec: TargetSpec, batches: Sequence[Batch]) -> list[int]:
@@ -121,13 +127,14 @@ def slots_to_write(spec: TargetSpec, batches: Sequence[Batch]) -> list[int]:
     and the first step still reads that block's cached positions."""
     slots: set[int] = set()
     read: set[int] = set()
-    for batch in batches:
+    for index, batch in enumerate(batches):
         slots.update(slot for slot in written_slots(batch, spec) if slot not in read)
-        read.update(
-            kv_slot(request.block_ids, position, spec.block_size)
-            for request in batch.requests
-            for position in range(request.seq_len)
-        )
+        if index < len(batches) - 1:  # what the last batch reads concerns no later one
+            read.update(
+                kv_slot(request.block_ids, position, spec.block_size)
+                for request in batch.requests
+                for position in range(request.seq_len)
+            )
     return sorted(slots)
 
 

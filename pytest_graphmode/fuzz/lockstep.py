@@ -48,8 +48,8 @@ from pytest_graphmode.strategies.idle_blocks import (
     MarkedBlocks,
     mark_idle_blocks,
     mark_slots_to_write,
+    slots_to_write,
     unwritten_slots,
-    written_slots,
 )
 from pytest_graphmode.strategies.plans import Reset, Stress
 
@@ -410,7 +410,7 @@ class Lockstep:
         company = step_outcome(self.company, sub)
         unwritten: list[int] = []
         if company.error is None:
-            slots = sorted(written_slots(sub, self.spec))
+            slots = slots_to_write(self.spec, [sub])
             unwritten = unwritten_slots(self.company.state(), self.spec, slots)
         return _References(eager, clean, sub, company, eager.result, tuple(unwritten))
 

@@ -113,7 +113,7 @@ def _kv_writes_land(e: Evidence) -> list[Violation]:
         *kv_checks.kv_writes_land(e.batch, e.graph_after, e.spec, "graph", e.paired),
         *kv_checks.kv_writes_land(e.batch, e.eager_after, e.spec, "eager", e.paired),
     ]
-    if e.company_batch is not None and e.company_unwritten:
+    if e.company_batch is not None:
         found += kv_checks.unlanded((e.company_batch,), e.company_unwritten, e.spec, "company")
     return found
 

@@ -147,7 +147,12 @@ def test_decode_only_schedules_with_long_blocks_cross_into_a_second_block():
         scheduler.compile(StepPlan("prefill", rows=16, arrivals=tuple(arrivals), chunk=64))
         for _ in range(3):
             batch = scheduler.compile(StepPlan("decode", rows=16))
-            crossed.extend(r for r in batch.requests if r.context_len % 16 == 0)
+            # a decode row (past its prompt, one query token) whose token starts a new block
+            crossed.extend(
+                r
+                for r in batch.requests
+                if r.context_len % 16 == 0 < r.context_len and len(r.tokens) == 1
+            )
 
     crowd()
     assert crossed
