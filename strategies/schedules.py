@@ -29,6 +29,7 @@ ADAPTERS = (0, 1)
 # lies from it (padding rows and many captures hold 1.0).
 TEMPERATURES = (0.25, 0.5, 1.0, 2.0, 4.0)
 MAX_SPEC_K = 4  # draft tokens a speculative step proposes at most
+MAX_LEADING_STEPS = 12  # a fixed leading example longer than this is left out
 DELAY_CYCLES = 2_000_000  # long enough that an unsynchronised copy stream visibly lags behind
 
 
@@ -89,16 +90,27 @@ def arrival_lists(spec: TargetSpec) -> st.SearchStrategy[list[Arrival]]:
 
 
 def crowds(spec: TargetSpec) -> st.SearchStrategy[list[Arrival]]:
-    """Requests with short prompts (`crowd_prompt_len`), as many as a row count."""
+    """Requests with short prompts (`crowd_prompt_len`), as many as a row count. With blocks
+    longer than 4 slots, half of the crowds keep every prompt at 1-3 tokens (`reach=False`): a
+    crowd's opening prefill of such prompts is a mixed batch of few tokens a request, which a
+    runner that judges a batch uniform from its token total alone replays on a decode graph."""
+    size = spec.block_size
+    if size <= 4:
+        return _crowds(spec, True)
+    return st.booleans().flatmap(functools.partial(_crowds, spec))
+
+
+@functools.lru_cache(maxsize=256)
+def _crowds(spec: TargetSpec, reach: bool) -> st.SearchStrategy[list[Arrival]]:
     size = spec.block_size
     short = arrivals(spec).map(
-        lambda a: dataclasses.replace(a, prompt_len=crowd_prompt_len(a.prompt_len, size))
+        lambda a: dataclasses.replace(a, prompt_len=crowd_prompt_len(a.prompt_len, size, reach))
     )
     sized = {n: st.lists(short, min_size=n, max_size=n) for n in range(1, spec.max_num_reqs + 1)}
     return row_counts(spec).flatmap(sized.__getitem__)
 
 
-def crowd_prompt_len(drawn: int, block_size: int) -> int:
+def crowd_prompt_len(drawn: int, block_size: int, reach: bool = True) -> int:
     """A crowd member's prompt length, from an arrival's drawn one: 1-3 tokens, so that a crowd
     of many requests fits a step's token budget, and with blocks longer than 4 slots, for half of
     the members, the last 3 positions of the first block instead (`block_size - 2` to
@@ -106,9 +118,10 @@ def crowd_prompt_len(drawn: int, block_size: int) -> int:
     positions: with 16-slot blocks it would never cross into a second block, and a token that
     starts a new block is where a block table's new column, a slot mapping and a block count must
     all follow (`kv_writes_land`). With blocks of 4 slots or fewer, 1-3 tokens already reach the
-    block's end, and the draws are what they always were."""
+    block's end, and the draws are what they always were. `reach=False`: 1-3 tokens whatever the
+    block size (half of a long-block spec's crowds, `crowds`)."""
     short = 1 + drawn % 3
-    if block_size <= 4 or drawn % 2:  # odd: short, so that shrinking (towards 1) keeps it short
+    if not reach or block_size <= 4 or drawn % 2:  # odd: short, as shrinking (towards 1) keeps it
         return short
     return block_size + 1 - short
 
@@ -389,6 +402,66 @@ def first_partial_bucket(spec: TargetSpec) -> list[StepPlan]:
         StepPlan(kind="decode", rows=n - 1, rotate=1),
         *_past_the_largest_graph(spec, live=n),
     ]
+
+
+def first_front_departure(spec: TargetSpec) -> list[StepPlan]:
+    """The simplest schedule in which a request leaves the batch's first row while the requests
+    admitted after it stay, and one of those then starts a new block and samples. A campaign runs
+    it as its fourth example, after `first_partial_bucket`, on the same twins.
+
+    Three requests are admitted in turn: A, greedy, two blocks long (a prompt one token past the
+    first block); B, greedy, one token; C, two slots short of one block (sampled at temperature 2
+    where the spec samples, and with an adapter where the spec has them). The step that prefills
+    B and C decodes A too (A absent from a step would be a finished request to a runner whose
+    scheduler sends only what changed), and so does every step that has to go on with C's
+    prefill within the token budget. Then all three decode; then A finishes and B and C decode,
+    C in its first block's last slot; then B and C decode again, and C's token starts its second
+    block. A runner that closes the hole A left by moving C into A's row (or by shifting B and C
+    down) must move every per-row value with it: a block count left as A's puts C's new block in
+    the wrong column of the block table (`kv_writes_land`); a greedy flag, seed or temperature
+    left as A's samples C's token otherwise than the company twin, which runs C without A
+    (`sampling_independent`: A is greedy so that it is not in that twin's batch, where the same
+    move would leave C the same wrong values). A random schedule seldom holds this with blocks
+    longer than a few slots: a request that survives a departure must then start a new block,
+    which a decode step of 16-slot blocks does once in 16 steps. Empty where a step
+    holds fewer than three requests, a request fewer than two blocks, or the cache fewer than the
+    five blocks the schedule holds at once, and where the prompts would take more than
+    `MAX_LEADING_STEPS` steps (long blocks without the "prefill" feature: one token a step)."""
+    size, budget = spec.block_size, spec.max_num_tokens
+    fits = (
+        size >= 2
+        and spec.max_num_reqs >= 3
+        and min(spec.max_blocks_per_req, spec.num_blocks - 1) >= 2
+        and spec.num_blocks - 1 >= 5
+    )
+    if not fits:
+        return []
+    first = Arrival(prompt_len=size + 1)
+    # C's prompt ends two slots short of its block's end, so that its token starts the next block
+    # in the second step after A left, not in the step A leaves (with 2-slot blocks, one short:
+    # the three then decode together only in the mixed step).
+    together = [StepPlan(kind="decode", rows=3)] if size >= 3 else []
+    later = Arrival(
+        prompt_len=size - 1 - len(together),
+        seed=4 if "sampling" in spec.features else None,
+        temperature=2.0,
+        adapter=1 if "adapters" in spec.features else 0,
+    )
+    # A's prefill alone, then C's beside A's and B's one token each, in as many steps as the
+    # budget takes (one token a step without the "prefill" feature).
+    chunk = budget if "prefill" in spec.features else 1
+    prefill_a = -(-first.prompt_len // chunk)
+    prefill_c = -(-later.prompt_len // min(chunk, budget - 2))
+    plans = [
+        StepPlan(kind="prefill", rows=1, arrivals=(first,), chunk=chunk),
+        *[StepPlan(kind="prefill", rows=1, chunk=chunk)] * (prefill_a - 1),
+        StepPlan(kind="mixed", rows=3, arrivals=(Arrival(prompt_len=1), later), chunk=chunk),
+        *[StepPlan(kind="mixed", rows=3, chunk=chunk)] * (prefill_c - 1),
+        *together,
+        StepPlan(kind="decode", rows=2, finish=(0,)),
+        StepPlan(kind="decode", rows=2),
+    ]
+    return plans if len(plans) <= MAX_LEADING_STEPS else []
 
 
 def _past_the_largest_graph(spec: TargetSpec, live: int) -> list[StepPlan]:

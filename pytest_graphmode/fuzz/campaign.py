@@ -37,6 +37,7 @@ from pytest_graphmode.settings import hypothesis_settings, resolve_backend
 from pytest_graphmode.strategies.plans import StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
 from pytest_graphmode.strategies.schedules import (
+    first_front_departure,
     first_pair,
     first_partial_bucket,
     first_phase_change,
@@ -126,11 +127,13 @@ def run_campaign(
     shrunk. `shrink_seconds` bounds the shrinking (None: Hypothesis shrinks until done; 0: the
     failure is reported as found). `on_example(seed, events)` is called before each example runs.
     `pipelined=False` leaves pipelined pairs out of the schedules (docs/contract.md): every step
-    then runs in lockstep, each read before the next is sent; else the campaign's first three
+    then runs in lockstep, each read before the next is sent; else the campaign's first four
     examples are fixed schedules, counted among its examples: the simplest pipelined pair
     (`first_pair`), then a graph replay paired with an eager prefill, a weight update before
     replays, the longest context and a speculative step (`first_phase_change`), then a graph
-    captured with a padding row replaying a full batch and a padded one (`first_partial_bucket`). `seconds` is a time
+    captured with a padding row replaying a full batch and a padded one (`first_partial_bucket`),
+    then a request leaving the first row while a later one goes on to start a new block and
+    sample (`first_front_departure`). `seconds` is a time
     budget: once that many seconds have passed since the campaign started, no new example starts
     and the campaign ends as passed (a failure found before is shrunk as always, within
     `shrink_seconds`); `max_examples` still caps the count. `cpu_threads`: torch's intra-op
@@ -149,9 +152,7 @@ def run_campaign(
     stats.planned_examples = 0 if seconds is not None else chosen.max_examples
     stats.time_budget_seconds = seconds
     leading = (
-        [p for p in (first_pair(), first_phase_change(spec), first_partial_bucket(spec)) if p][
-            : chosen.max_examples
-        ]
+        [p for p in _leading_schedules(spec) if p][: chosen.max_examples]
         if pipelined and hypothesis.Phase.explicit in chosen.phases
         else []
     )
@@ -267,6 +268,16 @@ def seeded(test: Callable[[], None], seed: int | None, run: int) -> Callable[[],
     return hypothesis.seed(run_seed)(test)
 
 
+def _leading_schedules(spec: TargetSpec) -> list[list[StepPlan]]:
+    """The fixed schedules a campaign runs first, in order (an empty one is left out)."""
+    return [
+        first_pair(),
+        first_phase_change(spec),
+        first_partial_bucket(spec),
+        first_front_departure(spec),
+    ]
+
+
 def _after_leading_examples(chosen: hypothesis.settings, leading: int) -> hypothesis.settings:
     """`chosen` for the examples Hypothesis draws after the `leading` ones, which run as explicit
     examples: that many fewer, so the campaign runs `max_examples` in all; none drawn when the
@@ -281,7 +292,8 @@ LEADING = (
     "shrinking skipped: this is one of the campaign's leading examples, fixed schedules it runs "
     "before any drawn one (the simplest pipelined pair; a replay paired with a prefill, a "
     "weight update, the longest context and a speculative step; a graph captured with a padding "
-    "row replaying a full batch), and its replay ends at the failing step"
+    "row replaying a full batch; a request leaving the first row while a later one goes on), "
+    "and its replay ends at the failing step"
 )
 
 NOT_REPEATED = (

@@ -134,6 +134,24 @@ def test_crowd_prompts_reach_the_end_of_a_long_first_block_and_stay_short_in_sho
     long = {schedules_module.crowd_prompt_len(drawn, 16) for drawn in range(1, 50)}
     assert long == {1, 2, 3, 14, 15, 16}
     assert schedules_module.crowd_prompt_len(1, 16) <= 3  # shrinking keeps a crowd short
+    kept_short = {schedules_module.crowd_prompt_len(drawn, 16, reach=False) for drawn in range(50)}
+    assert kept_short == {1, 2, 3}
+
+
+def test_half_the_crowds_of_long_blocks_keep_every_prompt_short():
+    # a crowd of short prompts prefills as a mixed batch of few tokens a request
+    long_blocks = dataclasses.replace(SPEC, block_size=16, max_num_tokens=64)
+    all_short = []
+
+    @settings(max_examples=60, database=None, derandomize=True)
+    @given(schedules_module.crowds(long_blocks))
+    def crowd(arrivals):
+        if len(arrivals) >= 4:
+            all_short.append(all(a.prompt_len <= 3 for a in arrivals))
+
+    crowd()
+    assert set(all_short) == {True, False}
+    assert 0.25 < sum(all_short) / len(all_short) < 0.85, all_short
 
 
 def test_decode_only_schedules_with_long_blocks_cross_into_a_second_block():
@@ -234,3 +252,48 @@ def test_the_partial_bucket_schedule_ends_one_request_past_the_largest_captured_
 def test_the_partial_bucket_schedule_is_empty_where_a_step_holds_one_request():
     single = dataclasses.replace(SPEC, max_num_reqs=1)
     assert schedules_module.first_partial_bucket(single) == []
+
+
+LONG_BLOCKS = dataclasses.replace(SPEC, block_size=16, num_blocks=8, max_num_tokens=16)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [SPEC, DECODE_ONLY, LONG_BLOCKS, dataclasses.replace(LONG_BLOCKS, max_num_tokens=8)],
+    ids=["full", "decode", "long-blocks", "long-blocks-small-budget"],
+)
+def test_the_front_departure_schedule_grows_a_survivor_after_the_first_row_left(spec):
+    events = compile_schedule(spec, schedules_module.first_front_departure(spec), seed=0)
+    batches = [e for e in events if isinstance(e, Batch)]
+    assert all(batch_problems(b, spec) == [] for b in batches)
+    first = batches[0].requests[0]
+    present = [any(r.req_id == first.req_id for r in b.requests) for b in batches]
+    # the first request is in every step until it leaves, and two steps follow its departure
+    assert present == [True] * (len(batches) - 2) + [False, False], present
+    before, after = batches[-3], batches[-2:]
+    assert len(before.requests) == 3 and [len(b.requests) for b in after] == [2, 2]
+    last = before.requests[-1].req_id  # admitted last, so in the row a condense moves
+    survivor = [next(r for r in b.requests if r.req_id == last) for b in after]
+    size = spec.block_size
+    # it starts a new block in the second step after the departure, not in the first
+    assert [r.context_len % size for r in survivor] == [size - 1, 0]
+    assert [len(r.tokens) for r in survivor] == [1, 1]
+    departed = next(r for r in before.requests if r.req_id == first.req_id)
+    assert len(departed.block_ids) == 2 > len(survivor[0].block_ids) == 1
+    assert departed.seed is None
+    assert (survivor[0].seed is not None) == ("sampling" in spec.features)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dataclasses.replace(SPEC, max_num_reqs=2),
+        dataclasses.replace(SPEC, max_blocks_per_req=1),
+        TIGHT,  # five blocks besides the null block are needed at once, four there are
+        dataclasses.replace(SPEC, block_size=1),
+        dataclasses.replace(LONG_BLOCKS, features=frozenset({"decode"})),  # a token a step
+    ],
+    ids=["two-rows", "one-block", "tight", "one-slot-blocks", "long-blocks-without-prefill"],
+)
+def test_the_front_departure_schedule_is_left_out_where_it_cannot_run(spec):
+    assert schedules_module.first_front_departure(spec) == []

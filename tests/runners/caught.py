@@ -11,12 +11,17 @@ from pytest_graphmode.failure import MADE_TWINS, Failure
 from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
 
 
-def failure_of(factory: TargetFactory, backend: str, seed: int = 0) -> Failure:
-    """The failure that a campaign of `factory` (300 examples of up to 8 steps, reported as found)
-    raises; the test fails if it passes."""
+def failure_of(factory: TargetFactory, backend: str, seed: int = 0, examples: int = 300) -> Failure:
+    """The failure that a campaign of `factory` (`examples` examples of up to 8 steps, reported
+    as found) raises; the test fails if it passes."""
     with pytest.raises(GraphmodeFailure) as caught:
         run_campaign(
-            factory, backend=backend, max_examples=300, max_steps=8, seed=seed, shrink_seconds=0
+            factory,
+            backend=backend,
+            max_examples=examples,
+            max_steps=8,
+            seed=seed,
+            shrink_seconds=0,
         )
     return caught.value.failure
 

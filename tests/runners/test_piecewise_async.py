@@ -4,6 +4,7 @@ each of its bugs, modelled on ones public engines shipped, is caught by the chec
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -22,8 +23,8 @@ CAUGHT_BY = {
     "uniform_decode_by_token_total": "replay_matches_eager",
     "piecewise_pad_slots_stale": "kv_writes_confined",
     # a request moved into a hole appends its next block at the wrong column, so the token that
-    # starts that block writes elsewhere: it needs a departure from a middle row, then a block
-    # boundary of the moved request (84-139 examples)
+    # starts that block writes elsewhere: a departure from a lower row, then a block boundary of
+    # the moved request, which the fourth leading example holds
     "block_count_not_moved_on_condense": "kv_writes_land",
     # the padding request reads a departed request's table row: out of bounds on the sim
     "decode_table_uploaded_unpadded": "replay_matches_eager",
@@ -84,6 +85,20 @@ def test_the_correct_runner_passes_the_harness_on_a_gpu() -> None:
 @pytest.mark.parametrize("bug", sorted(ON_CUDA))
 def test_each_bug_is_caught_on_a_gpu(bug: str) -> None:
     _assert_caught(bug, "cuda")
+
+
+@pytest.mark.parametrize(("block_size", "num_blocks"), [(4, 48), (16, 24)])
+def test_a_block_count_left_behind_by_a_condense_is_found_by_a_leading_example(
+    monkeypatch: pytest.MonkeyPatch, block_size: int, num_blocks: int
+) -> None:
+    # The fourth leading example empties the first row, then has the request moved into it start
+    # a new block. Without it: 14-141 examples on seeds 0-4 with 4-slot blocks, none in 300 with
+    # 16-slot ones.
+    config = piecewise_async_target.CONFIG
+    model = dataclasses.replace(config.model, block_size=block_size, num_blocks=num_blocks)
+    monkeypatch.setattr(piecewise_async_target, "CONFIG", dataclasses.replace(config, model=model))
+    failure = failure_of(_factory("block_count_not_moved_on_condense"), "sim", examples=4)
+    assert_caught(failure, "kv_writes_land", at_start_up=False)
 
 
 def _assert_caught(bug: str, backend: str) -> None:

@@ -27,8 +27,13 @@ CAUGHT_BY = {
     "weights_staged_through_one_pinned_buffer": "no_stream_races",
 }
 # On a GPU: the race as the graph twin's other weights after the second example's delayed weight
-# update (the twins' own loading at start-up is not delayed).
-ON_CUDA = {**CAUGHT_BY, "weights_staged_through_one_pinned_buffer": "replay_matches_eager"}
+# update. The twins' own loading at start-up is not delayed, but on a busy host it can race too
+# (seen once in 8 parallel test processes): then the clean twin may be the one with other weights,
+# which `padding_inert` sees at the first step.
+ON_CUDA: dict[str, str | set[str]] = {
+    **CAUGHT_BY,
+    "weights_staged_through_one_pinned_buffer": {"replay_matches_eager", "padding_inert"},
+}
 AT_START_UP_ON_SIM = {"weights_staged_through_one_pinned_buffer"}
 
 

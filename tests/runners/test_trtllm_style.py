@@ -87,6 +87,13 @@ def test_each_timing_free_bug_is_caught_on_a_gpu(bug: str) -> None:
     _assert_caught(bug, "cuda")
 
 
+def test_a_seed_left_behind_by_a_condense_is_found_by_a_leading_example() -> None:
+    # The fourth leading example moves a sampled request into a greedy one's row; the company
+    # twin runs it without that request. Seed 0 took 63 examples without it.
+    failure = failure_of(_factory("seeds_not_moved_on_condense"), "sim", examples=4)
+    assert_caught(failure, "sampling_independent", at_start_up=False)
+
+
 def _assert_caught(bug: str, backend: str) -> None:
     failure = failure_of(_factory(bug), backend, seed=SEED.get(bug, 0))
     assert_caught(failure, ON_CUDA[bug] if backend == "cuda" else CAUGHT_BY[bug], at_start_up=False)
