@@ -327,9 +327,11 @@ def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
 
     A request with a one-token prompt is admitted and decoded. The next step admits a second
     request, whose prompt leaves room for two tokens below the per-request block limit, and
-    prefills it whole, pipelined with that decode (and delayed, as `first_pair` is): a runner
-    that runs prefills on a stream of its own, or rewrites a buffer the replay still reads, races
-    there. Then the weights change (where the spec updates weights; delayed too, so that on
+    prefills it, pipelined with that decode (and delayed, as `first_pair` is): a runner that runs
+    prefills on a stream of its own, or rewrites a buffer the replay still reads, races there.
+    Where the step's token budget does not take the prompt whole, the steps after the pair
+    prefill the rest beside the first request's decode (with the prompt shortened where that
+    would take the schedule past `MAX_LEADING_STEPS`). Then the weights change (where the spec updates weights; delayed too, so that on
     cuda a loader racing its own pinned staging loads other weights into the graph twin) and the
     first request decodes alone, on the graph captured before the change; the two decode
     together; the long request decodes alone, on the graph the short one was captured with; and
@@ -338,8 +340,19 @@ def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
     holds these rarely: half of them switch weight updates off, a quarter switch pipelined pairs
     off, most pairs join two steps of the same phase, and most prompts are short."""
     capacity = _capacity(spec)
+    whole = spec.max_num_tokens
+    chunk = whole if "prefill" in spec.features else 1
+    # Where the budget does not take the prompt whole, the rest is prefilled in the steps after
+    # the pair, beside the first request's decode (a request absent from a step is a finished one
+    # to some runners); at most as many steps as keep the schedule within MAX_LEADING_STEPS, the
+    # prompt shortened to what they hold.
+    beside = spec.max_num_reqs >= 2 and whole >= 2
+    per_step = min(chunk, whole - 1) if beside else chunk
+    most = MAX_LEADING_STEPS - 7
+    prompt = min(max(1, capacity - 2), chunk + most * per_step)
+    rest = -(-(prompt - min(prompt, chunk)) // per_step)
     long_prompt = Arrival(
-        prompt_len=max(1, capacity - 2),
+        prompt_len=prompt,
         seed=1 if "sampling" in spec.features else None,
         temperature=0.5,
     )
@@ -351,7 +364,6 @@ def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
         else Stress()
     )
     pair = Stress(pipelined=True, delay_cycles=DELAY_CYCLES)
-    whole = spec.max_num_tokens
     # Two tokens of one request: as many requests as the last graph of one-token rows, as many
     # tokens as the two-request one, so a key without the query length replays one of them.
     speculative = (
@@ -362,7 +374,8 @@ def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
     return [
         StepPlan(kind="decode", rows=1),
         StepPlan(kind="decode", rows=1),
-        StepPlan(kind="prefill", rows=1, arrivals=(long_prompt,), chunk=whole, stress=pair),
+        StepPlan(kind="prefill", rows=1, arrivals=(long_prompt,), chunk=chunk, stress=pair),
+        *[StepPlan(kind="mixed" if beside else "prefill", rows=2, chunk=chunk)] * rest,
         StepPlan(kind="decode", rows=1, stress=update),
         StepPlan(kind="decode", rows=2),
         StepPlan(kind="decode", rows=1, rotate=1),

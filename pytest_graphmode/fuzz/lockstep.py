@@ -313,7 +313,11 @@ class Lockstep:
     ) -> list[torch.Tensor]:
         if stress.weight_seed is not None:
             self.weight_seed = stress.weight_seed
-            for twin in self._targets:
+            # The graph twin last: a loader that frees the tensors its graphs read (and loads new
+            # ones elsewhere) leaves them free with the old weights in them, where a reference
+            # updated after it could allocate its own new weights, the same values, into that
+            # memory on cuda and so give the stale graph the right weights by chance.
+            for twin in sorted(self._targets, key=lambda twin: twin is self.graph):
                 # The graph twin's update is delayed as its steps are: on cuda, a weight loader
                 # that refills a pinned staging buffer before its last copy out of it ran gives
                 # that twin other weights than the references, which load them undelayed.

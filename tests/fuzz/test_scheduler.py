@@ -297,3 +297,29 @@ def test_the_front_departure_schedule_grows_a_survivor_after_the_first_row_left(
 )
 def test_the_front_departure_schedule_is_left_out_where_it_cannot_run(spec):
     assert schedules_module.first_front_departure(spec) == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "longest"),
+    [(SPEC, 14), (LONG_BLOCKS, 62), (DECODE_ONLY, 6)],
+    ids=["prompt-within-budget", "prompt-past-budget", "a-token-a-step"],
+)
+def test_the_phase_change_schedule_decodes_the_long_request_alone_whatever_the_budget(
+    spec, longest
+):
+    # capacity - 2 where the budget takes the prompt in the steps the schedule may hold; without
+    # the "prefill" feature a prompt takes a step a token, and is shortened to fit
+    events = compile_schedule(spec, schedules_module.first_phase_change(spec), seed=0)
+    batches = [e for e in events if isinstance(e, Batch)]
+    assert all(batch_problems(b, spec) == [] for b in batches)
+    assert len(batches) <= schedules_module.MAX_LEADING_STEPS
+    long_id = batches[2].requests[0].req_id  # admitted by the pair's second step
+    alone = [b.requests[0] for b in batches if [r.req_id for r in b.requests] == [long_id]]
+    decoded = [r for r in alone if len(r.tokens) == 1 and r.context_len >= longest]
+    assert decoded, [(r.context_len, len(r.tokens)) for r in alone]
+    # the first request stays in every step while the long prompt is prefilled
+    first_id = batches[0].requests[0].req_id
+    prefilling = [
+        b for b in batches[3:] if any(r.req_id == long_id and len(r.tokens) > 1 for r in b.requests)
+    ]
+    assert all(any(r.req_id == first_id for r in b.requests) for b in prefilling)

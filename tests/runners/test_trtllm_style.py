@@ -6,6 +6,7 @@ shipped, is caught by the check that names it."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -92,6 +93,20 @@ def test_a_seed_left_behind_by_a_condense_is_found_by_a_leading_example() -> Non
     # twin runs it without that request. Seed 0 took 63 examples without it.
     failure = failure_of(_factory("seeds_not_moved_on_condense"), "sim", examples=4)
     assert_caught(failure, "sampling_independent", at_start_up=False)
+
+
+def test_a_graph_key_without_the_kv_length_is_found_by_a_leading_example_with_long_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The second leading example decodes a request near the block limit alone on the graph a
+    # one-token request was captured with. With 16-slot blocks that prompt (94 tokens) takes
+    # three steps of the runner's 32-token budget; while the example prefilled one step only,
+    # the bug passed 100 examples on each of seeds 0-2.
+    config = trtllm_style_target.CONFIG
+    model = dataclasses.replace(config.model, block_size=16, num_blocks=20)
+    monkeypatch.setattr(trtllm_style_target, "CONFIG", dataclasses.replace(config, model=model))
+    failure = failure_of(_factory("graph_key_without_kv_blocks"), "sim", examples=2)
+    assert_caught(failure, "replay_matches_eager", at_start_up=False)
 
 
 def _assert_caught(bug: str, backend: str) -> None:
