@@ -331,14 +331,15 @@ def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
     prefills on a stream of its own, or rewrites a buffer the replay still reads, races there.
     Where the step's token budget does not take the prompt whole, the steps after the pair
     prefill the rest beside the first request's decode (with the prompt shortened where that
-    would take the schedule past `MAX_LEADING_STEPS`). Then the weights change (where the spec updates weights; delayed too, so that on
-    cuda a loader racing its own pinned staging loads other weights into the graph twin) and the
-    first request decodes alone, on the graph captured before the change; the two decode
-    together; the long request decodes alone, on the graph the short one was captured with; and
-    (where the spec has speculative decoding) the short one decodes a draft token, a step with the
-    request count of one graph and the token count of another. A random schedule
-    holds these rarely: half of them switch weight updates off, a quarter switch pipelined pairs
-    off, most pairs join two steps of the same phase, and most prompts are short."""
+    would take the schedule past `MAX_LEADING_STEPS`). Then the weights change (where the spec
+    updates weights; delayed too, so that on cuda a loader racing its own pinned staging loads
+    other weights into the graph twin) and the first request decodes alone, on the graph
+    captured before the change; the two decode together; the long request decodes alone, on the
+    graph the short one was captured with; and (where the spec has speculative decoding) the
+    short one decodes a draft token, a step with the request count of one graph and the token
+    count of another. A random schedule holds these rarely: half of them switch weight updates
+    off, a quarter switch pipelined pairs off, most pairs join two steps of the same phase, and
+    most prompts are short."""
     capacity = _capacity(spec)
     whole = spec.max_num_tokens
     chunk = whole if "prefill" in spec.features else 1
@@ -348,7 +349,7 @@ def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
     # prompt shortened to what they hold.
     beside = spec.max_num_reqs >= 2 and whole >= 2
     per_step = min(chunk, whole - 1) if beside else chunk
-    most = MAX_LEADING_STEPS - 7
+    most = MAX_LEADING_STEPS - 7  # the schedule's seven other steps, the speculative one included
     prompt = min(max(1, capacity - 2), chunk + most * per_step)
     rest = -(-(prompt - min(prompt, chunk)) // per_step)
     long_prompt = Arrival(
