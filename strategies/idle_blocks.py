@@ -96,13 +96,14 @@ def mark_idle_blocks(
 
 def mark_slots_to_write(
     states: Sequence[Mapping[str, torch.Tensor]], spec: TargetSpec, batches: Sequence[Batch]
-) -> None:
+) -> list[int]:
     """Fill `slots_to_write(spec, batches)` in every floating slot-major tensor of `states` with
-    `MARK`, saving nothing: the steps overwrite them (module docstring)."""
+    `MARK`, saving nothing: the steps overwrite them (module docstring). Returns those slots."""
     slots = slots_to_write(spec, batches)
     if slots:
         for bits, index, mark in _marked_tensors(states, spec, slots):
             bits.index_fill_(0, index, mark)
+    return slots
 
 
 def _marked_tensors(

@@ -342,7 +342,7 @@ def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
     most prompts are short."""
     capacity = _capacity(spec)
     whole = spec.max_num_tokens
-    chunk = whole if "prefill" in spec.features else 1
+    chunk = _prefill_chunk(spec)
     # Where the budget does not take the prompt whole, the rest is prefilled in the steps after
     # the pair, beside the first request's decode (a request absent from a step is a finished one
     # to some runners); at most as many steps as keep the schedule within MAX_LEADING_STEPS, the
@@ -382,6 +382,12 @@ def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
         StepPlan(kind="decode", rows=1, rotate=1),
         *speculative,
     ]
+
+
+def _prefill_chunk(spec: TargetSpec) -> int:
+    """The most prompt tokens one step of a leading example prefills: the step's token budget, or
+    one without the "prefill" feature (the scheduler feeds such prompts a token a step)."""
+    return spec.max_num_tokens if "prefill" in spec.features else 1
 
 
 def first_partial_bucket(spec: TargetSpec) -> list[StepPlan]:
@@ -463,7 +469,7 @@ def first_front_departure(spec: TargetSpec) -> list[StepPlan]:
     )
     # A's prefill alone, then C's beside A's and B's one token each, in as many steps as the
     # budget takes (one token a step without the "prefill" feature).
-    chunk = budget if "prefill" in spec.features else 1
+    chunk = _prefill_chunk(spec)
     prefill_a = -(-first.prompt_len // chunk)
     prefill_c = -(-later.prompt_len // min(chunk, budget - 2))
     plans = [

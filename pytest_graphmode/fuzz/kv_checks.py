@@ -89,7 +89,7 @@ def kv_writes_confined(
 
 
 def kv_writes_land(
-    batch: Batch, after: State, spec: TargetSpec, twin: str = "graph", also: Sequence[Batch] = ()
+    batch: Batch, afters: Mapping[str, State], spec: TargetSpec, also: Sequence[Batch] = ()
 ) -> list[Violation]:
     """Every token of the step stores its keys and values in its own slot (`kv_slot` of its
     position through its request's `block_ids`).
@@ -101,10 +101,14 @@ def kv_writes_land(
     table reads them back from there alike, so no comparison of twins sees it until a later step
     reads the request's cache through the right table. `also`: the later step of a pipelined
     pair, whose slots were marked too where the first step reads none of them
-    (`slots_to_write`)."""
+    (`slots_to_write`). `afters`: each twin judged (by name) and its state after the step."""
     batches = (batch, *also)
-    missing = unwritten_slots(after, spec, slots_to_write(spec, batches))
-    return unlanded(batches, missing, spec, twin)
+    slots = slots_to_write(spec, batches)
+    return [
+        violation
+        for twin, after in afters.items()
+        for violation in unlanded(batches, unwritten_slots(after, spec, slots), spec, twin)
+    ]
 
 
 def unlanded(

@@ -48,7 +48,6 @@ from pytest_graphmode.strategies.idle_blocks import (
     MarkedBlocks,
     mark_idle_blocks,
     mark_slots_to_write,
-    slots_to_write,
     unwritten_slots,
 )
 from pytest_graphmode.strategies.plans import Reset, Stress
@@ -410,11 +409,10 @@ class Lockstep:
         sub = sampling_check.company_batch(batch, self._renaming) if self.company else None
         if self.company is None or sub is None:
             return _References(eager, clean, None, None, eager.result)
-        mark_slots_to_write([self.company.state()], self.spec, [sub])
+        slots = mark_slots_to_write([self.company.state()], self.spec, [sub])
         company = step_outcome(self.company, sub)
         unwritten: list[int] = []
         if company.error is None:
-            slots = slots_to_write(self.spec, [sub])
             unwritten = unwritten_slots(self.company.state(), self.spec, slots)
         return _References(eager, clean, sub, company, eager.result, tuple(unwritten))
 

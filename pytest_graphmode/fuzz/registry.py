@@ -109,10 +109,8 @@ def _kv_writes_confined(e: Evidence) -> list[Violation]:
 
 
 def _kv_writes_land(e: Evidence) -> list[Violation]:
-    found = [
-        *kv_checks.kv_writes_land(e.batch, e.graph_after, e.spec, "graph", e.paired),
-        *kv_checks.kv_writes_land(e.batch, e.eager_after, e.spec, "eager", e.paired),
-    ]
+    afters = {"graph": e.graph_after, "eager": e.eager_after}
+    found = kv_checks.kv_writes_land(e.batch, afters, e.spec, e.paired)
     if e.company_batch is not None:
         found += kv_checks.unlanded((e.company_batch,), e.company_unwritten, e.spec, "company")
     return found

@@ -270,12 +270,12 @@ def _marked_where(slots: list[int], state: dict[str, torch.Tensor]) -> dict[str,
 
 
 def test_every_slot_of_the_step_written_lands() -> None:
-    assert kv_checks.kv_writes_land(BATCH, kv(s6=1.0, s2=-1.0), SPEC) == []
+    assert kv_checks.kv_writes_land(BATCH, {"graph": kv(s6=1.0, s2=-1.0)}, SPEC) == []
 
 
 def test_a_slot_of_the_step_left_marked_names_request_position_and_block() -> None:
     after = _marked_where([6], kv(s2=1.0))
-    [v] = kv_checks.kv_writes_land(BATCH, after, SPEC)
+    [v] = kv_checks.kv_writes_land(BATCH, {"graph": after}, SPEC)
     assert (v.check, v.slot, v.req_id) == ("kv_writes_land", 6, 7)
     assert "never wrote slot 6 (block 3), where req 7's position 2 belongs" in v.detail
 
@@ -285,9 +285,9 @@ def test_a_slot_another_floating_tensor_wrote_has_landed() -> None:
     # of the keys elsewhere in the state is what counts.
     after = {**_marked_where([6], kv()), "scale": _marked_where([6], {"s": torch.zeros(8)})["s"]}
     after["kv"][6, 0] = 2.0
-    assert kv_checks.kv_writes_land(BATCH, after, SPEC) == []
+    assert kv_checks.kv_writes_land(BATCH, {"graph": after}, SPEC) == []
 
 
 def test_state_without_floating_slot_major_tensors_gives_nothing_to_judge() -> None:
     ids = {"ids": torch.zeros(SPEC.num_slots, dtype=torch.int64)}
-    assert kv_checks.kv_writes_land(BATCH, ids, SPEC) == []
+    assert kv_checks.kv_writes_land(BATCH, {"graph": ids}, SPEC) == []
