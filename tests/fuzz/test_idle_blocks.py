@@ -76,9 +76,9 @@ def test_the_slots_a_step_writes_are_marked_and_not_saved():
     kv = torch.randn(SPEC.num_slots, 3)
     ids = torch.arange(SPEC.num_slots)
     before = kv.clone()
-    mark_slots_to_write([{"kv": kv, "ids": ids}], SPEC, [FIRST])
+    marked = mark_slots_to_write([{"kv": kv, "ids": ids}], SPEC, [FIRST])
     written = [3 * SIZE, 3 * SIZE + 1, 7 * SIZE + 1]
-    assert slots_to_write(SPEC, [FIRST]) == written
+    assert slots_to_write(SPEC, [FIRST]) == written == marked
     assert bool((kv[written] == MARK).all())
     others = torch.ones(SPEC.num_slots, dtype=torch.bool)
     others[written] = False
