@@ -484,6 +484,64 @@ def first_front_departure(spec: TargetSpec) -> list[StepPlan]:
     return plans if len(plans) <= MAX_LEADING_STEPS else []
 
 
+def first_stale_tail(spec: TargetSpec) -> list[StepPlan]:
+    """The simplest schedule in which a batch shrinks within one captured graph while its queries
+    grow: the padding rows of a speculative step follow a larger decode batch on the same graph.
+    A campaign runs it as its fifth example, after `first_front_departure`, on the same twins.
+
+    c one-token requests are admitted and decode together on the graph of c rows, c the smallest
+    capture size whose bucket also serves c - 2 requests (two padding rows; one where no capture
+    size leaves two). Then the last two finish and the other c - 2 run a speculative step, each
+    with the most draft tokens (up to 3) that keep c rows of them within the token budget, padded
+    to the same c rows. Every per-row value staged for a padding row (where its queries start and
+    end, its sequence length, its block-table row) is then whatever the decode step left there,
+    unless the runner rewrites it: where queries start, for one, a decode step leaves one token
+    a row apart, so a stale padding row's query range reaches back into the valid requests' tokens.
+    A value the runner stages once and uploads whole (a pinned host buffer, say) cannot be
+    poisoned by the harness, so only a schedule shows it; a random one holds a larger batch then a
+    padded speculative one on the same graph seldom, since row counts change at most steps.
+    Without speculative decoding the last step decodes one token a row. Empty where no capture
+    size leaves a padding row, or a step or the cache cannot hold the c requests."""
+    rows = _shrunk_rows(spec)
+    if rows is None:
+        return []
+    c, live = rows
+    drafts = 0
+    if "spec_decode" in spec.features:
+        drafts = max(0, min(3, spec.max_num_tokens // c - 1))
+    positions = 3 + drafts  # a one-token prompt, its first token, a decode step's, the drafts
+    fits = (
+        positions <= _capacity(spec)
+        and c * -(-2 // spec.block_size) <= spec.num_blocks - 1
+        and live * -(-positions // spec.block_size) <= spec.num_blocks - 1
+    )
+    if not fits:
+        return []
+    gone = (-1,) * (c - live)  # the last request, then the new last one
+    last = (
+        StepPlan(kind="spec", rows=live, spec_k=drafts, accepted=drafts, finish=gone)
+        if drafts
+        else StepPlan(kind="decode", rows=live, finish=gone)
+    )
+    return [
+        StepPlan(kind="prefill", rows=c, arrivals=(Arrival(prompt_len=1),) * c),
+        StepPlan(kind="decode", rows=c),
+        last,
+    ]
+
+
+def _shrunk_rows(spec: TargetSpec) -> tuple[int, int] | None:
+    """(c, n): the smallest capture size c a step may fill whose bucket also serves n = c - 2
+    requests, else n = c - 1; None where no capture size a step may fill leaves a padding row."""
+    most = min(spec.max_num_reqs, spec.max_num_tokens)
+    sizes = spec.capture_sizes
+    for padding in (2, 1):
+        for below, c in zip((0, *sizes), sizes, strict=False):
+            if c <= most and c - padding > below:
+                return c, c - padding
+    return None
+
+
 def _past_the_largest_graph(spec: TargetSpec, live: int) -> list[StepPlan]:
     """`live` requests become one more than the largest captured size, which then decode
     together; empty where a step cannot hold them all or the cache cannot. The first requests

@@ -41,6 +41,7 @@ from pytest_graphmode.strategies.schedules import (
     first_pair,
     first_partial_bucket,
     first_phase_change,
+    first_stale_tail,
     schedules,
 )
 
@@ -127,13 +128,14 @@ def run_campaign(
     shrunk. `shrink_seconds` bounds the shrinking (None: Hypothesis shrinks until done; 0: the
     failure is reported as found). `on_example(seed, events)` is called before each example runs.
     `pipelined=False` leaves pipelined pairs out of the schedules (docs/contract.md): every step
-    then runs in lockstep, each read before the next is sent; else the campaign's first four
+    then runs in lockstep, each read before the next is sent; else the campaign's first five
     examples are fixed schedules, counted among its examples: the simplest pipelined pair
     (`first_pair`), then a graph replay paired with an eager prefill, a weight update before
     replays, the longest context and a speculative step (`first_phase_change`), then a graph
     captured with a padding row replaying a full batch and a padded one (`first_partial_bucket`),
     then a request leaving the first row while a later one goes on to start a new block and
-    sample (`first_front_departure`). `seconds` is a time
+    sample (`first_front_departure`), then a batch shrinking within its graph as its queries
+    grow, its padding rows following a larger batch's (`first_stale_tail`). `seconds` is a time
     budget: once that many seconds have passed since the campaign started, no new example starts
     and the campaign ends as passed (a failure found before is shrunk as always, within
     `shrink_seconds`); `max_examples` still caps the count. `cpu_threads`: torch's intra-op
@@ -275,6 +277,7 @@ def _leading_schedules(spec: TargetSpec) -> list[list[StepPlan]]:
         first_phase_change(spec),
         first_partial_bucket(spec),
         first_front_departure(spec),
+        first_stale_tail(spec),
     ]
 
 
@@ -292,8 +295,9 @@ LEADING = (
     "shrinking skipped: this is one of the campaign's leading examples, fixed schedules it runs "
     "before any drawn one (the simplest pipelined pair; a replay paired with a prefill, a "
     "weight update, the longest context and a speculative step; a graph captured with a padding "
-    "row replaying a full batch; a request leaving the first row while a later one goes on), "
-    "and its replay ends at the failing step"
+    "row replaying a full batch; a request leaving the first row while a later one goes on; "
+    "a batch shrinking within its graph as its queries grow), and its replay ends at the "
+    "failing step"
 )
 
 NOT_REPEATED = (

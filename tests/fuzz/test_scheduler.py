@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pytest_graphmode.contract import Batch, batch_problems
+from pytest_graphmode.fuzz.lockstep import bucket_for
 from pytest_graphmode.strategies import schedules as schedules_module
 from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import BlockAllocator, BlockScheduler, compile_schedule
@@ -303,6 +304,42 @@ def test_the_front_departure_schedule_grows_a_survivor_after_the_first_row_left(
 )
 def test_the_front_departure_schedule_is_left_out_where_it_cannot_run(spec):
     assert schedules_module.first_front_departure(spec) == []
+
+
+WIDE = dataclasses.replace(SPEC, max_num_reqs=8, max_num_tokens=32, num_blocks=20)
+
+
+@pytest.mark.parametrize(
+    ("spec", "rows", "query_len"),
+    [(SPEC, (4, 4, 3), 4), (WIDE, (8, 8, 6), 4), (DECODE_ONLY, (4, 4, 3), 1)],
+    ids=["one-padding-row", "two-padding-rows", "decode-only"],
+)
+def test_the_stale_tail_schedule_shrinks_a_batch_within_its_graph(spec, rows, query_len):
+    events = compile_schedule(spec, schedules_module.first_stale_tail(spec), seed=0)
+    batches = [e for e in events if isinstance(e, Batch)]
+    assert all(batch_problems(b, spec) == [] for b in batches)
+    assert tuple(len(b.requests) for b in batches) == rows
+    full, shrunk = batches[1], batches[2]
+    # the same captured size serves both: the shrunk batch's padding rows follow the full one's
+    assert bucket_for(spec, full.num_reqs) == bucket_for(spec, shrunk.num_reqs) == rows[0]
+    assert all(len(r.tokens) == 1 and r.context_len == 1 for r in full.requests)
+    assert all(len(r.tokens) == query_len and r.context_len == 2 for r in shrunk.requests)
+    # the first requests go on, the last ones finished
+    assert [r.req_id for r in shrunk.requests] == [r.req_id for r in full.requests][: rows[2]]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dataclasses.replace(SPEC, capture_sizes=(1, 2, 3, 4, 5, 6)),  # no size leaves padding
+        dataclasses.replace(SPEC, capture_sizes=(1,)),
+        dataclasses.replace(SPEC, max_num_reqs=3),  # the graph of 4 rows is never full
+        dataclasses.replace(SPEC, num_blocks=4),  # four requests' blocks do not fit
+    ],
+    ids=["dense-sizes", "one-size", "fewer-rows-than-the-graph", "small-cache"],
+)
+def test_the_stale_tail_schedule_is_left_out_where_it_cannot_run(spec):
+    assert schedules_module.first_stale_tail(spec) == []
 
 
 @pytest.mark.parametrize(
