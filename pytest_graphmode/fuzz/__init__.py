@@ -19,16 +19,19 @@ Public API (stable; the pytest plugin is built on it):
   `seconds` is a time budget: no example starts once it is spent, and the campaign then passes
   (a failure found before is still shrunk and raised). `cpu_threads` sets torch's intra-op CPU
   threads while it runs (None: as they are; `campaign_process.py` says why 1). `stop()`, asked
-  before each example while nothing has failed, ends the campaign as passed when true.
+  before each example while nothing has failed, ends the campaign as passed when true. The
+  device running out of memory outside a step ends it with torch's `OutOfMemoryError`, unshrunk.
 - `isolation.run_isolated(..., check_twins_first=False)`: the same campaign in a child process; a
   device fault or a dead child is a failure of `no_device_fault` (docs/ci.md, "Device faults");
   with `check_twins_first`, the child checks the twins against the contract first (the check the
-  plugin makes before its first campaign) and its `TargetError` is raised here; `stop` as in
-  `run_campaign`.
+  plugin makes before its first campaign) and its `TargetError` is raised here; the child out of
+  device memory outside a step raises `CampaignOutOfMemory` (an `IsolatedCampaignError`); `stop`
+  as in `run_campaign`.
 - `helpers.run_with_helpers(campaign, factory, *, helpers, seconds, seed, stats=None,
   progress=None, **arguments)`: `campaign` (either of the above) under the time budget `seconds`
   with `helpers` helper campaigns in child processes beside it, each with its own seed; the first
-  failure of any process is raised, with every process's statistics (docs/ci.md, "Workers").
+  failure of any process is raised, with every process's statistics (docs/ci.md, "Workers"); a
+  helper out of device memory outside a step stops with a `RuntimeWarning`, the others go on.
 - `replay(batches, *, factory, backend="sim", seed=0) -> CampaignStats`: re-run a concrete
   schedule (a list of `Batch`, optionally with `Stress` events, and `Reset` events that start the
   next example on the same twins) with every check; a failure's `replay_snippet` is such a call.

@@ -32,7 +32,11 @@ from pytest_graphmode.fuzz.campaign_process import (
     torch_cpu_threads,
 )
 from pytest_graphmode.fuzz.kept_twins import HistoryFailure, KeptTwins
-from pytest_graphmode.fuzz.registry import NO_DEVICE_FAULT, is_device_fault
+from pytest_graphmode.fuzz.registry import (
+    NO_DEVICE_FAULT,
+    is_device_fault,
+    is_out_of_device_memory,
+)
 from pytest_graphmode.settings import hypothesis_settings, resolve_backend
 from pytest_graphmode.strategies.plans import StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
@@ -141,7 +145,9 @@ def run_campaign(
     `shrink_seconds`); `max_examples` still caps the count. `cpu_threads`: torch's intra-op
     CPU threads while the campaign runs (None: as they are; `campaign_process.torch_cpu_threads`
     says why 1). `stop`, asked before each example while nothing has failed, ends the campaign as
-    passed when true (another process found a failure: `helpers.run_with_helpers`).
+    passed when true (another process found a failure: `helpers.run_with_helpers`). The device
+    running out of memory outside a step (the twins made, a state restored) before anything failed
+    ends the campaign with torch's `OutOfMemoryError` as raised: no check failed, nothing is shrunk.
     """
     if seconds is not None and not seconds > 0:
         raise ValueError(f"seconds={seconds!r} must be a number of seconds > 0, or None")
@@ -178,6 +184,10 @@ def run_campaign(
             budget.failed(escaped.failed, unshrunk=escaped.unshrunk)
             raise
         except Exception as failed:
+            if is_out_of_device_memory(failed) and not budget.found:
+                # Outside a step (a step's errors are its outcome): the device had no room for
+                # the twins or the harness's copies. No finding to shrink: the campaign ends.
+                raise DeviceMemoryExhausted(failed) from failed
             budget.failed(failed, unshrunk=LEADING if budget.leading else None)
             raise
         finally:
@@ -212,6 +222,8 @@ def run_campaign(
         failure = budget.annotated(failed.failure)
         stats.failures.append(failure)
         raise GraphmodeFailure(failure, stats) from None
+    except DeviceMemoryExhausted as exhausted:
+        raise exhausted.error from None
     finally:
         twins.close()
         budget.finish()
@@ -317,6 +329,16 @@ def out_of_time(stats: CampaignStats, started: float, seconds: float | None) -> 
 class TimeBudgetSpent(BaseException):
     """Ends Hypothesis's run once the time budget is spent and nothing failed, as
     `ShrinkBudgetSpent` ends it once shrinking has had its time."""
+
+
+class DeviceMemoryExhausted(BaseException):
+    """Ends Hypothesis's run when the device runs out of memory outside a step (the twins made,
+    a state restored), before anything failed: no finding, nothing to shrink. `run_campaign`
+    raises `error`, the out-of-memory error itself."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class CampaignStopped(BaseException):

@@ -10,6 +10,11 @@ the shrink budget, on a core the others have given back) and reports it with its
 replay snippet replays it alone. The statistics are those of every process together, with the
 time-to-detection taken on this process's clock.
 
+A helper that runs out of device memory outside a step (making its targets beside the others on
+one GPU) stops without failing the campaign: the others go on, and a `RuntimeWarning` says which
+helper stopped and why. An out-of-memory error of the campaign itself stays its error, with a note
+that helpers shared the device.
+
 Only time-budgeted campaigns take helpers: one asked for a count of examples runs that count,
 reproducibly, in one process. A helper starts as an isolated campaign does (`spawn`, torch imported
 afresh: about 3 s on a 2-core machine), so it pays off for campaigns of many seconds, and a bug
@@ -23,6 +28,7 @@ import multiprocessing.connection
 import random
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -33,9 +39,11 @@ from pytest_graphmode.fuzz.campaign_process import check_cpu_threads
 from pytest_graphmode.fuzz.isolation import (
     SILENCE_LIMIT_SECONDS,
     CampaignChild,
+    CampaignOutOfMemory,
     can_isolate,
     start_child,
 )
+from pytest_graphmode.fuzz.registry import is_out_of_device_memory
 
 
 def helper_seed(seed: int | None, helper: int) -> int | None:
@@ -105,11 +113,18 @@ def run_with_helpers(
         )
     except BaseException as error:
         crew.end(wait=False)
+        crew.warn_retired()
         stats.update_from(crew.merged(own))
         if isinstance(error, GraphmodeFailure):
             error.stats = stats
+        elif isinstance(error, CampaignOutOfMemory) or is_out_of_device_memory(error):
+            error.add_note(
+                f"{helpers} helper campaign(s) shared the device with this campaign; with fewer "
+                "(--graphmode-workers, or run_with_helpers(helpers=...)) it may fit"
+            )
         raise
     crew.end(wait=True)
+    crew.warn_retired()
     ended = crew.first_ended()
     stats.update_from(crew.merged(own))
     if ended is not None:
@@ -143,6 +158,7 @@ class _Helpers:
         self._seed = seed
         self._children: list[CampaignChild] = []
         self._outcomes: dict[int, tuple[str, Any]] = {}
+        self._warned: set[int] = set()  # retired helpers already warned about
         for helper in range(1, count + 1):
             self._children.append(
                 start_child(
@@ -222,6 +238,27 @@ class _Helpers:
         for child in self._children:
             child.end()
 
+    def warn_retired(self) -> None:
+        """A `RuntimeWarning` for each helper that ran out of device memory and stopped."""
+        with self.lock:
+            retired = [
+                (index, outcome[1])
+                for index, outcome in sorted(self._outcomes.items())
+                if outcome[0] == "memory" and index not in self._warned
+            ]
+            self._warned.update(index for index, _ in retired)
+        for index, trace in retired:
+            last = trace.strip().splitlines()[-1] if trace.strip() else "out of memory"
+            warnings.warn(
+                f"helper campaign {index + 1} of {len(self._children)} (seed "
+                f"{helper_seed(self._seed, index + 1)}) stopped after "
+                f"{self._children[index].stats.examples} examples: it ran out of device memory "
+                f"outside any step ({last}); the campaign went on without it. Fewer processes "
+                "share the device with --graphmode-workers (run_with_helpers(helpers=...))",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
     def _kill_passing(self) -> None:
         """Kill every helper still running but the one that found a failure."""
         with self.lock:
@@ -254,7 +291,8 @@ class _Helpers:
                 outcome = child.receive(0, None, self._silence_limit)
                 if outcome is not None:
                     self._outcomes[index] = outcome
-                if (outcome is not None and outcome[0] != "done") or (
+                # A helper out of device memory stops; the campaign and the others go on.
+                if (outcome is not None and outcome[0] not in ("done", "memory")) or (
                     child.stats.first_failure_check is not None
                 ):
                     self._note_failure(index)

@@ -34,7 +34,11 @@ from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, GraphTarget, TargetFactory
 from pytest_graphmode.failure import MADE_TWINS, Failure, GraphmodeFailure
 from pytest_graphmode.fuzz.campaign_process import DEFAULT_CPU_THREADS
-from pytest_graphmode.fuzz.registry import NO_DEVICE_FAULT, is_device_fault
+from pytest_graphmode.fuzz.registry import (
+    NO_DEVICE_FAULT,
+    is_device_fault,
+    is_out_of_device_memory,
+)
 from pytest_graphmode.loader import TargetError, check_twins
 from pytest_graphmode.strategies.plans import Stress
 
@@ -47,6 +51,11 @@ _FAULT_EXIT = 70
 class IsolatedCampaignError(RuntimeError):
     """The campaign raised in its child process something other than a failed check (a broken
     factory, a harness error); the message holds the child's traceback."""
+
+
+class CampaignOutOfMemory(IsolatedCampaignError):
+    """The campaign's child process ran out of device memory outside any step (making its
+    targets, say): no check failed, the device had too little room for the campaign."""
 
 
 def isolates(option: str, backend: str, factory: TargetFactory) -> bool:
@@ -155,7 +164,7 @@ class CampaignChild:
         silence_limit: float,
     ) -> tuple[str, Any] | None:
         """Take one message, waiting up to `timeout` seconds for it: the child's end (`done`,
-        `failure`, `target`, `error`, `fault`) or its death (`died`, `silent`) as (kind,
+        `failure`, `target`, `error`, `memory`, `fault`) or its death (`died`, `silent`) as (kind,
         payload), None while it runs on."""
         if not self.receiver.poll(timeout):
             if not self.process.is_alive() and not self.receiver.poll(0):
@@ -211,6 +220,10 @@ class CampaignChild:
             return TargetError(payload)
         if kind == "error":
             return IsolatedCampaignError(f"the campaign's child process raised:\n{payload}")
+        if kind == "memory":
+            return CampaignOutOfMemory(
+                f"the campaign's child process ran out of device memory:\n{payload}"
+            )
         if kind == "fault":
             cause = f"the device faulted:\n{payload}"
         elif kind == "silent":
@@ -365,7 +378,8 @@ def _child_main(
         if is_device_fault(error):
             watch.fault(error)
         watch.probe()
-        sender.send(("error", traceback.format_exc(), stats.to_json()))
+        kind = "memory" if is_out_of_device_memory(error) else "error"
+        sender.send((kind, traceback.format_exc(), stats.to_json()))
     else:
         watch.probe()
         sender.send(("done", None, stats.to_json()))

@@ -149,6 +149,19 @@ def is_device_fault(error: BaseException) -> bool:
     )
 
 
+def is_out_of_device_memory(error: BaseException) -> bool:
+    """torch's `OutOfMemoryError` (the caching allocator found no device memory), raised or
+    among the causes of what was raised."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, torch.OutOfMemoryError):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
+
+
 REGISTRY: tuple[Check, ...] = (
     # A race is a root cause, reported before it corrupts a value: judge it before any value.
     Check(

@@ -28,7 +28,7 @@ from pytest_graphmode.strategies.schedules import (
     first_phase_change,
     first_stale_tail,
 )
-from tests.fuzz import toy
+from tests.fuzz import out_of_memory_target, toy
 
 
 def test_a_correct_runner_passes_and_every_check_but_the_rank_checks_runs():
@@ -423,3 +423,13 @@ def test_a_campaign_runs_with_the_cpu_threads_asked_and_restores_torchs(asked, i
 def test_cpu_threads_must_be_a_count_of_at_least_one(count):
     with pytest.raises(ValueError, match="must be a number of threads >= 1, or None"):
         run_campaign(toy.make_target, max_examples=1, cpu_threads=count)
+
+
+def test_running_out_of_device_memory_outside_a_step_ends_the_campaign_with_that_error():
+    # The graph twin cannot be made: no runner's step failed, so nothing is shrunk or reported as
+    # a failed check; the error is the allocator's, as raised.
+    stats = CampaignStats()
+    with pytest.raises(torch.OutOfMemoryError, match="no room left for these twins"):
+        run_campaign(out_of_memory_target.graph_twins, max_examples=20, seed=0, stats=stats)
+    assert stats.examples == 1
+    assert stats.failures == [] and stats.first_failure_check is None and not stats.shrinking

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+import warnings
 from functools import partial
 from typing import Any
 
 import pytest
+import torch
 
 from pytest_graphmode.fuzz import CampaignStats, GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.helpers import helper_seed, run_with_helpers
 from pytest_graphmode.fuzz.isolation import NO_DEVICE_FAULT, run_isolated
 from pytest_graphmode.runtime import target as runtime_target
-from tests.fuzz import faulting_target, toy
+from tests.fuzz import faulting_target, out_of_memory_target, toy
 from tests.mutants import output_view
 
 DRIFTING = partial(toy.ToyTarget, bugs=frozenset({"drift"}))
@@ -133,6 +135,48 @@ def test_a_helper_that_dies_is_a_device_fault() -> None:
     assert idle.stopped
 
 
+def test_a_helper_out_of_device_memory_stops_with_a_warning_and_the_campaign_goes_on() -> None:
+    counted = _Counted(run_campaign)
+    stats = CampaignStats()
+    with pytest.warns(RuntimeWarning) as warned:
+        run_with_helpers(
+            counted,
+            out_of_memory_target.in_helpers,
+            **_helpers(helpers=2, seconds=6.0, seed=5, stats=stats),
+        )
+    messages = sorted(str(w.message) for w in warned if "device memory" in str(w.message))
+    assert len(messages) == 2, messages  # one per helper, each once
+    for helper, message in enumerate(messages, start=1):
+        assert f"helper campaign {helper} of 2 (seed {helper_seed(5, helper)})" in message
+        assert "stopped after 0 examples" in message
+        assert "--graphmode-workers" in message
+        assert out_of_memory_target.MESSAGE in message
+    [own] = counted.own
+    assert not stats.failures and stats.first_failure_check is None
+    assert stats.examples == own.examples > 0  # the campaign's own examples, nothing lost
+    assert not multiprocessing.active_children()
+
+
+def test_the_campaigns_own_out_of_memory_error_says_that_helpers_shared_the_device() -> None:
+    stats = CampaignStats()
+    with (
+        warnings.catch_warnings(record=True) as warned,
+        pytest.raises(torch.OutOfMemoryError) as caught,
+    ):
+        warnings.simplefilter("always")
+        run_with_helpers(
+            run_campaign,
+            out_of_memory_target.graph_twins_in_this_process,
+            **_helpers(helpers=1, seconds=30.0, seed=2, stats=stats),
+        )
+    assert out_of_memory_target.MESSAGE in str(caught.value)
+    notes = getattr(caught.value, "__notes__", [])
+    assert any("1 helper campaign(s) shared the device" in note for note in notes), notes
+    assert not [w for w in warned if "device memory" in str(w.message)]  # the helper fitted
+    assert not stats.failures
+    assert not multiprocessing.active_children()
+
+
 def test_no_helpers_is_the_campaign_alone() -> None:
     idle = _Idle()
     run_with_helpers(idle, toy.make_target, **_helpers(helpers=0, seconds=0.2, seed=1))
@@ -194,3 +238,19 @@ def test_a_helpers_failure_on_cuda_is_reported() -> None:
     assert caught.value.failure.check == "results_stay_valid"
     assert f"helper campaign 1 of 1 (seed {helper_seed(7, 1)})" in caught.value.failure.message
     assert idle.stopped
+
+
+@pytest.mark.graphmode_cuda
+def test_a_helper_out_of_gpu_memory_stops_and_the_isolated_campaign_goes_on() -> None:
+    counted = _Counted(run_isolated)
+    stats = CampaignStats()
+    with pytest.warns(RuntimeWarning, match="helper campaign 1 of 1 .* out of device memory"):
+        run_with_helpers(
+            counted,
+            out_of_memory_target.more_than_the_gpu_in_helpers,
+            **_helpers(backend="cuda", helpers=1, seconds=15.0, seed=5, stats=stats),
+        )
+    [own] = counted.own
+    assert not stats.failures
+    assert stats.examples == own.examples > 0
+    assert not multiprocessing.active_children()

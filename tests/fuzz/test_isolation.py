@@ -11,9 +11,15 @@ import torch
 from pytest_graphmode.contract import Batch, TargetFactory
 from pytest_graphmode.failure import MADE_TWINS
 from pytest_graphmode.fuzz import CampaignStats, GraphmodeFailure, run_campaign
-from pytest_graphmode.fuzz.isolation import NO_DEVICE_FAULT, can_isolate, run_isolated
+from pytest_graphmode.fuzz.isolation import (
+    NO_DEVICE_FAULT,
+    CampaignOutOfMemory,
+    IsolatedCampaignError,
+    can_isolate,
+    run_isolated,
+)
 from pytest_graphmode.loader import TargetError
-from tests.fuzz import faulting_target, toy
+from tests.fuzz import faulting_target, out_of_memory_target, toy
 
 
 def _fault(factory: object) -> tuple[GraphmodeFailure, list[CampaignStats]]:
@@ -92,6 +98,13 @@ def test_a_failed_check_in_the_child_is_raised_as_it_is() -> None:
     assert caught.value.failure.check == "replay_matches_eager"
     assert caught.value.stats is not None
     assert caught.value.stats.failures == [caught.value.failure]
+
+
+def test_running_out_of_device_memory_in_the_child_is_raised_as_such() -> None:
+    with pytest.raises(CampaignOutOfMemory, match="ran out of device memory") as caught:
+        run_isolated(out_of_memory_target.graph_twins, max_examples=10, max_steps=3, seed=1)
+    assert isinstance(caught.value, IsolatedCampaignError)  # what callers caught before
+    assert out_of_memory_target.MESSAGE in str(caught.value)  # the child's traceback
 
 
 def test_a_factory_that_cannot_reach_a_child_is_refused_with_the_way_out() -> None:
