@@ -118,9 +118,10 @@ def run_with_helpers(
         if isinstance(error, GraphmodeFailure):
             error.stats = stats
         elif isinstance(error, CampaignOutOfMemory) or is_out_of_device_memory(error):
+            shared = f"{helpers} helper campaign{'s' if helpers > 1 else ''}"
             error.add_note(
-                f"{helpers} helper campaign(s) shared the device with this campaign; with fewer "
-                "(--graphmode-workers, or run_with_helpers(helpers=...)) it may fit"
+                f"{shared} shared the device with this campaign; with fewer (--graphmode-workers, "
+                "or run_with_helpers(helpers=...)) it may fit"
             )
         raise
     crew.end(wait=True)

@@ -171,7 +171,7 @@ def test_the_campaigns_own_out_of_memory_error_says_that_helpers_shared_the_devi
         )
     assert out_of_memory_target.MESSAGE in str(caught.value)
     notes = getattr(caught.value, "__notes__", [])
-    assert any("1 helper campaign(s) shared the device" in note for note in notes), notes
+    assert any("1 helper campaign shared the device" in note for note in notes), notes
     assert not [w for w in warned if "device memory" in str(w.message)]  # the helper fitted
     assert not stats.failures
     assert not multiprocessing.active_children()
