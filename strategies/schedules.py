@@ -512,8 +512,8 @@ def first_stale_tail(spec: TargetSpec) -> list[StepPlan]:
     positions = 3 + drafts  # a one-token prompt, its first token, a decode step's, the drafts
     fits = (
         positions <= _capacity(spec)
-        and c * -(-2 // spec.block_size) <= spec.num_blocks - 1
-        and live * -(-positions // spec.block_size) <= spec.num_blocks - 1
+        and c * _blocks(spec, 2) <= spec.num_blocks - 1
+        and live * _blocks(spec, positions) <= spec.num_blocks - 1
     )
     if not fits:
         return []
@@ -542,12 +542,17 @@ def _shrunk_rows(spec: TargetSpec) -> tuple[int, int] | None:
     return None
 
 
+def _blocks(spec: TargetSpec, positions: int) -> int:
+    """The KV blocks a request needs to hold `positions` positions."""
+    return -(-positions // spec.block_size)
+
+
 def _past_the_largest_graph(spec: TargetSpec, live: int) -> list[StepPlan]:
     """`live` requests become one more than the largest captured size, which then decode
     together; empty where a step cannot hold them all or the cache cannot. The first requests
     hold five tokens by then (a one-token prompt and four decodes)."""
     past = max(spec.capture_sizes, default=0) + 1
-    blocks_each = -(-5 // spec.block_size)
+    blocks_each = _blocks(spec, 5)
     fits = (
         live < past <= min(spec.max_num_reqs, spec.max_num_tokens)
         and blocks_each <= spec.max_blocks_per_req

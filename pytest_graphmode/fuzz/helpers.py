@@ -159,7 +159,6 @@ class _Helpers:
         self._seed = seed
         self._children: list[CampaignChild] = []
         self._outcomes: dict[int, tuple[str, Any]] = {}
-        self._warned: set[int] = set()  # retired helpers already warned about
         for helper in range(1, count + 1):
             self._children.append(
                 start_child(
@@ -240,14 +239,14 @@ class _Helpers:
             child.end()
 
     def warn_retired(self) -> None:
-        """A `RuntimeWarning` for each helper that ran out of device memory and stopped."""
+        """A `RuntimeWarning` for each helper that ran out of device memory and stopped; called
+        once, after `end`."""
         with self.lock:
             retired = [
                 (index, outcome[1])
                 for index, outcome in sorted(self._outcomes.items())
-                if outcome[0] == "memory" and index not in self._warned
+                if outcome[0] == "memory"
             ]
-            self._warned.update(index for index, _ in retired)
         for index, trace in retired:
             last = trace.strip().splitlines()[-1] if trace.strip() else "out of memory"
             warnings.warn(

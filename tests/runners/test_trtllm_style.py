@@ -99,9 +99,7 @@ def test_a_graph_key_without_the_kv_length_is_found_by_a_leading_example_with_lo
     # one-token request was captured with. With 16-slot blocks that prompt (94 tokens) takes
     # three steps of the runner's 32-token budget; while the example prefilled one step only,
     # the bug passed 100 examples on each of seeds 0-2.
-    config = trtllm_style_target.CONFIG
-    model = dataclasses.replace(config.model, block_size=16, num_blocks=20)
-    monkeypatch.setattr(trtllm_style_target, "CONFIG", dataclasses.replace(config, model=model))
+    _with_blocks(monkeypatch, block_size=16, num_blocks=20)
     failure = failure_of(_factory("graph_key_without_kv_blocks"), "sim", examples=2)
     assert_caught(failure, "replay_matches_eager", at_start_up=False)
 
@@ -113,16 +111,21 @@ def test_stale_query_starts_are_found_by_a_leading_example(
     # The fifth leading example runs six requests of four tokens each on the graph of eight rows
     # right after eight one-token rows filled it: a padding row's stale query range then reaches
     # back into the valid tokens. Drawn schedules found it on 11 of seeds 0-14 in 300 examples
-    # with 4-slot blocks, and on none of seeds 0-4 with 16-slot ones.
-    config = trtllm_style_target.CONFIG
-    model = dataclasses.replace(
-        config.model, block_size=block_size, num_blocks=config.model.num_blocks * 4 // block_size
-    )
-    monkeypatch.setattr(trtllm_style_target, "CONFIG", dataclasses.replace(config, model=model))
+    # with 4-slot blocks, and on none of seeds 0-2 in 100 with 16-slot ones.
+    blocks = trtllm_style_target.CONFIG.model.num_blocks * 4 // block_size  # the same slots
+    _with_blocks(monkeypatch, block_size=block_size, num_blocks=blocks)
     failure = failure_of(_factory("query_start_loc_tail_stale"), "sim", examples=5)
     assert_caught(failure, "replay_matches_eager", at_start_up=False)
 
 
+def _with_blocks(monkeypatch: pytest.MonkeyPatch, *, block_size: int, num_blocks: int) -> None:
+    """The runner's targets made from here on have blocks of `block_size` slots, `num_blocks`
+    of them."""
+    config = trtllm_style_target.CONFIG
+    model = dataclasses.replace(config.model, block_size=block_size, num_blocks=num_blocks)
+    monkeypatch.setattr(trtllm_style_target, "CONFIG", dataclasses.replace(config, model=model))
+
+
 def _assert_caught(bug: str, backend: str) -> None:
-    failure = failure_of(_factory(bug), backend, seed=0)
+    failure = failure_of(_factory(bug), backend)
     assert_caught(failure, ON_CUDA[bug] if backend == "cuda" else CAUGHT_BY[bug], at_start_up=False)
