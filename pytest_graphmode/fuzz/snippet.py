@@ -33,10 +33,26 @@ def replay_snippet(
 ) -> str:
     """Python source that re-runs `events` with every check (runnable as is)."""
     import_line, factory_expr = factory_reference(factory)
-    body = ["events = [", *(f"    {event!r}," for event in events), "]"]
+    body = ["events = [", *_numbered(events), "]"]
     header = _imports("\n".join(body), "from pytest_graphmode.fuzz import replay", import_line)
     call = f"replay(events, backend={backend!r}, seed={seed}, factory={factory_expr})"
     return "\n".join([*header, "", *body, call])
+
+
+def _numbered(events: Sequence[Batch | Stress | Reset]) -> list[str]:
+    """One line per event; each batch says its step, as the failure message counts them: from 0,
+    and from 0 again after every `Reset` (each example on kept twins starts at step 0)."""
+    lines = []
+    step = 0
+    for event in events:
+        if isinstance(event, Batch):
+            lines.append(f"    {event!r},  # step {step}")
+            step += 1
+        else:
+            lines.append(f"    {event!r},")
+            if isinstance(event, Reset):
+                step = 0
+    return lines
 
 
 def _imports(source: str, runner: str, factory_import: str) -> list[str]:

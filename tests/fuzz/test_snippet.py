@@ -4,7 +4,7 @@ import ast
 
 from pytest_graphmode.contract import Batch, Request
 from pytest_graphmode.fuzz.snippet import replay_snippet
-from pytest_graphmode.strategies.plans import Stress
+from pytest_graphmode.strategies.plans import Reset, Stress
 from tests.plugin.toy_target import make_target
 
 BATCH = Batch((Request(req_id=0, tokens=(1,), context_len=1, block_ids=(1,)),))
@@ -35,3 +35,13 @@ def test_a_snippet_with_stressors_imports_stress() -> None:
     assert imported == {"Batch", "Request", "Stress", "replay", "make_target"}
     assert imported <= used
     compile(source, "<snippet>", "exec")
+
+
+def test_each_batch_line_names_its_step_as_the_failure_message_counts_them() -> None:
+    events = [BATCH, Stress(churn=2), BATCH, Reset(seed=5), BATCH]
+    source = replay_snippet(events, factory=make_target, backend="sim", seed=3)
+    batch_lines = [line for line in source.splitlines() if line.lstrip().startswith("Batch(")]
+    assert [line.rsplit("# ", 1)[1] for line in batch_lines] == ["step 0", "step 1", "step 0"]
+    namespace: dict[str, object] = {}
+    exec(source.split("replay(events")[0], namespace)
+    assert namespace["events"] == events
