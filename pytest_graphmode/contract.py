@@ -96,6 +96,8 @@ class TargetSpec:
     capture_sizes: tuple[int, ...]
     features: frozenset[str] = field(default_factory=lambda: frozenset({"decode"}))
     null_block: int = 0
+    # With the "adapters" feature, requests name adapters 0 (the base) to num_adapters.
+    num_adapters: int = 1
 
     def __post_init__(self) -> None:
         problems = spec_problems(self)
@@ -129,6 +131,10 @@ def spec_problems(spec: TargetSpec) -> list[str]:
     unknown = set(spec.features) - FEATURES
     if unknown:
         problems.append(f"unknown features {sorted(unknown)}; known: {sorted(FEATURES)}")
+    least = 1 if "adapters" in spec.features else 0
+    if not _is_int(spec.num_adapters) or spec.num_adapters < least:
+        needs = "with the 'adapters' feature" if least else "as a count"
+        problems.append(f"num_adapters={spec.num_adapters!r} must be an integer >= {least} {needs}")
     return problems
 
 
@@ -251,6 +257,8 @@ def _request_problems(request: Request, spec: TargetSpec) -> list[str]:
         problems.append(
             f"uses adapter {request.adapter} but the target lacks the 'adapters' feature"
         )
+    elif request.adapter > spec.num_adapters:
+        problems.append(f"adapter={request.adapter} outside [0, num_adapters={spec.num_adapters}]")
     return problems
 
 

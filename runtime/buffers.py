@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pytest_graphmode.contract import Batch
+from pytest_graphmode.contract import Batch, batch_problems
 from pytest_graphmode.runtime.backends import Backend
-from pytest_graphmode.runtime.model import DecoderInputs, input_spec, step_problems
+from pytest_graphmode.runtime.model import DecoderInputs, input_spec
 from pytest_graphmode.runtime.padding import HostRows, PaddingPolicy, host_rows
 
 _MAX_PROBLEMS = 8  # a rejected batch lists this many problems, enough to act on without a flood
@@ -138,7 +138,7 @@ class StaticInputs:
         self._copy_pending = True
 
     def _problems(self, batch: Batch) -> list[str]:
-        return step_problems(batch, self._spec, num_adapters=self.limits.num_adapters)
+        return batch_problems(batch, self._spec)
 
     def _write_host(self, rows: HostRows) -> None:
         # Every integer field's rows in one indexed write: a step costs a fixed number of tensor

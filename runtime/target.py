@@ -62,6 +62,7 @@ class RuntimeTarget:
             capture_sizes=tuple(capture_sizes),
             features=frozenset(features),
             null_block=config.null_block,
+            num_adapters=config.num_adapters,
         )
         # The backend is active (on sim: torch is routed through it) from here until close().
         self.backend = backend

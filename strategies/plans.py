@@ -13,6 +13,9 @@ from typing import Literal
 
 StepKind = Literal["decode", "spec", "prefill", "mixed"]
 STEP_KINDS: tuple[StepKind, ...] = ("decode", "spec", "prefill", "mixed")
+# What a delay makes land late on cuda (`stream_delays`): copies and event records, or replays.
+Late = Literal["copies", "replays"]
+LATE: tuple[Late, ...] = ("copies", "replays")
 
 
 @dataclass(frozen=True)
@@ -38,8 +41,9 @@ class Stress:
     `churn`: tensors to allocate and free on the backend device (0: none). `weight_seed`: call
     `update_weights(weight_seed)` on every twin. `delay_cycles`: on cuda, queue a sleep kernel of
     that many cycles on the current stream before the step, and one ahead of every asynchronous
-    host copy and event record of the stressed twin's step, on whichever stream it runs
-    (`stream_delays`); `scheduler_seed`: on sim, reseed the stream scheduler (both when not None).
+    host copy and event record of the stressed twin's step, on whichever stream it runs, or,
+    with `late="replays"`, ahead of every graph replay instead (`stream_delays`): the other order
+    of a race, a copy overwriting what a replay still reads; `scheduler_seed`: on sim, reseed the stream scheduler (both when not None).
     Poisoning needs no field: it happens before every step.
 
     `pipelined`: the harness submits the next step to the graph twin before it reads anything of
@@ -54,8 +58,11 @@ class Stress:
     delay_cycles: int = 0
     scheduler_seed: int | None = None
     pipelined: bool = False
+    late: Late = "copies"
 
     def __post_init__(self) -> None:
+        if self.late not in LATE:
+            raise ValueError(f"Stress.late={self.late!r}; use one of {LATE}")
         if self.pipelined and (self.churn or self.weight_seed is not None):
             raise ValueError(
                 f"Stress(pipelined=True) takes only delay_cycles and scheduler_seed, got "

@@ -20,11 +20,21 @@ from typing import Literal
 from hypothesis import strategies as st
 
 from pytest_graphmode.contract import Batch, TargetSpec
-from pytest_graphmode.strategies.plans import STEP_KINDS, Arrival, StepKind, StepPlan, Stress
+from pytest_graphmode.strategies.plans import (
+    LATE,
+    STEP_KINDS,
+    Arrival,
+    StepKind,
+    StepPlan,
+    Stress,
+)
 from pytest_graphmode.strategies.scheduler import compile_schedule
 from pytest_graphmode.strategies.swarm import EVERYTHING, Swarm, swarms
 
-ADAPTERS = (0, 1)
+# Adapter ids beside the base (0): the first few, so that rows and steps share an adapter often
+# and a graph that serves one adapter meets another, and the highest, at the end of any table of
+# adapters a runner keeps.
+_LOW_ADAPTERS = 3
 # A temperature baked in at capture changes a sampled token more often the further the true one
 # lies from it (padding rows and many captures hold 1.0).
 TEMPERATURES = (0.25, 0.5, 1.0, 2.0, 4.0)
@@ -68,7 +78,7 @@ def arrivals(spec: TargetSpec) -> st.SearchStrategy[Arrival]:
     seeds = st.none()
     if "sampling" in spec.features:
         seeds = st.one_of(st.none(), st.integers(0, 2**31 - 1))
-    adapters = st.sampled_from(ADAPTERS) if "adapters" in spec.features else st.just(0)
+    adapters = st.sampled_from(adapter_ids(spec)) if "adapters" in spec.features else st.just(0)
     return st.builds(
         Arrival,
         prompt_len=st.one_of(
@@ -80,6 +90,11 @@ def arrivals(spec: TargetSpec) -> st.SearchStrategy[Arrival]:
         temperature=st.sampled_from(TEMPERATURES),
         adapter=adapters,
     )
+
+
+def adapter_ids(spec: TargetSpec) -> tuple[int, ...]:
+    """The adapter ids arrivals draw from: the base, the first few adapters and the last one."""
+    return tuple(sorted({*range(min(spec.num_adapters, _LOW_ADAPTERS) + 1), spec.num_adapters}))
 
 
 def arrival_lists(spec: TargetSpec) -> st.SearchStrategy[list[Arrival]]:
@@ -146,8 +161,14 @@ def stresses(
         delay_cycles=delays,
         scheduler_seed=scheduler_seeds,
     )
+    # A pair's delay makes its copies land late, or its replays: on cuda each shows one order
+    # of a race between the two steps (`stream_delays`).
     pairs = st.builds(
-        Stress, pipelined=st.just(True), delay_cycles=delays, scheduler_seed=scheduler_seeds
+        Stress,
+        pipelined=st.just(True),
+        delay_cycles=delays,
+        scheduler_seed=scheduler_seeds,
+        late=st.sampled_from(LATE),
     )
     if not pipelined or "pipelined" not in swarm.stressors:
         return st.one_of(st.just(Stress()), active)
@@ -301,9 +322,9 @@ def _first_then(parts: tuple[StepPlan, list[StepPlan]]) -> list[StepPlan]:
 
 
 def first_pair() -> list[StepPlan]:
-    """The simplest schedule whose pipelined pair runs two decode steps: one step that admits a
+    """The simplest schedule whose pipelined pairs run two decode steps: one step that admits a
     request (its prefill), then two decode steps of it, the second submitted before the first is
-    read. A campaign runs it as its first example: Hypothesis's own first example is its simplest
+    read, then two more the same way. A campaign runs it as its first example: Hypothesis's own first example is its simplest
     draw, a single step, and a race between two steps (an event not waited for, a staging buffer
     rewritten while the step before still reads it) needs two steps that both replay a graph.
 
@@ -311,12 +332,20 @@ def first_pair() -> list[StepPlan]:
     a pair the simplest, every shrunk schedule would keep one, and a bug of one step would be
     reported with three.
 
-    The pair is delayed (on cuda: its copies and event records land late, `stress.delay_cycles`;
-    nothing changes on sim), so that on the GPU the first step is still in flight when the second
-    is prepared, as the race needs."""
+    The pairs are delayed (on cuda, `stress.delay_cycles`; nothing changes on sim), so that on the
+    GPU the first step is still in flight when the second is prepared, as the race needs: in the
+    first pair its copies and event records land late (a replay that does not wait for its
+    upload reads the inputs before they land, a host that rewrites pinned staging too early
+    changes what is still to be copied), in the second its graph replays do (an upload that does
+    not wait for the replay before it overwrites the inputs that replay is still to read)."""
     single = StepPlan(kind="decode", rows=1)
-    pair = Stress(pipelined=True, delay_cycles=DELAY_CYCLES)
-    return [single, single, dataclasses.replace(single, stress=pair)]
+    pairs = [
+        dataclasses.replace(
+            single, stress=Stress(pipelined=True, delay_cycles=DELAY_CYCLES, late=late)
+        )
+        for late in LATE
+    ]
+    return [single, single, pairs[0], single, pairs[1]]
 
 
 def first_phase_change(spec: TargetSpec) -> list[StepPlan]:
@@ -528,6 +557,43 @@ def first_stale_tail(spec: TargetSpec) -> list[StepPlan]:
         StepPlan(kind="decode", rows=c),
         last,
     ]
+
+
+def first_handover(spec: TargetSpec) -> list[StepPlan]:
+    """The simplest schedule in which one graph serves requests with other per-request values in
+    turn. A campaign runs it as its sixth example, after `first_stale_tail`, on the same twins.
+
+    Three requests with one-token prompts take turns: each is admitted (the one before it
+    finishing in the same step), then decodes alone. A samples at the lowest temperature drawn,
+    on the first adapter; B samples at the highest, on the last adapter the spec declares; C is
+    greedy, on the first adapter again (sampling and adapters where the spec has them). Their
+    decode steps have one request each, so they run on one graph (on two where the runner keys
+    its graphs by whether a batch uses adapters and the spec has none: A's then serves B and C).
+    Whatever the runner read from the batch on the host when it captured that graph (a
+    temperature, a seed, whether a row samples, which adapter's weights to apply when the batch
+    has only one) replays for B and C as it was. A random schedule seldom runs such a handover:
+    per-request values are drawn per arrival, most decode steps hold several requests, and two
+    requests alone on one graph in turn with different values need a departure and an admission
+    between them. Empty where the cache cannot hold one request's two positions."""
+    if _blocks(spec, 2) > min(spec.max_blocks_per_req, spec.num_blocks - 1):
+        return []
+    seeds = (6, 7) if "sampling" in spec.features else (None, None)
+    ids = adapter_ids(spec) if "adapters" in spec.features else (0,)
+    first, last = ids[min(1, len(ids) - 1)], ids[-1]
+    coldest, hottest = min(TEMPERATURES), max(TEMPERATURES)
+    turns = (
+        Arrival(prompt_len=1, seed=seeds[0], temperature=coldest, adapter=first),
+        Arrival(prompt_len=1, seed=seeds[1], temperature=hottest, adapter=last),
+        Arrival(prompt_len=1, temperature=coldest, adapter=first),
+    )
+    plans = []
+    for turn, arrival in enumerate(turns):
+        gone = (0,) if turn else ()  # the request before it, the only one live
+        plans += [
+            StepPlan(kind="prefill", rows=1, arrivals=(arrival,), finish=gone),
+            StepPlan(kind="decode", rows=1),
+        ]
+    return plans
 
 
 def _shrunk_rows(spec: TargetSpec) -> tuple[int, int] | None:

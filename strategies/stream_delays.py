@@ -1,4 +1,5 @@
-"""Delays on every stream a runner uses (cuda): asynchronous copies and event records land late.
+"""Delays on every stream a runner uses (cuda): asynchronous copies and event records land late,
+or graph replays do.
 
 A sleep kernel on the current stream before a step only delays the work queued on that stream;
 a runner's own copy stream, or a copy issued after a blocking copy has drained the stream, still
@@ -22,6 +23,13 @@ only slower.
 Nothing is delayed inside a CUDA graph capture: a sleep issued on a capturing stream would be
 recorded into the graph and replayed on every later replay, long after the stressed step. Captured
 copies and records are left as they are (their timing is the replay's).
+
+A race has two orders, and copies landing late show only one: work that needs a copy runs before
+it. The other (a copy that overwrites what earlier work still reads: the next step's upload into
+the static buffers a replay has not read yet) shows only when that work is late instead.
+`delayed_replays(cycles)` enqueues the sleep kernel ahead of every `torch.cuda.CUDAGraph.replay`,
+on the stream it replays on, and leaves copies and event records undelayed; the class attribute
+is replaced and put back as `Event.record` is. Eager kernels are not delayed.
 
 Scope: the copies are seen by a `TorchDispatchMode` pushed on entry and popped on exit, so modes
 the runner enters inside the scope see the operations before it, as usual. `torch.cuda.Event.record`
@@ -78,6 +86,31 @@ def delayed_streams(cycles: int) -> Iterator[None]:
         raise ValueError(f"delayed_streams(cycles={cycles}): cycles must be >= 1")
     with _delayed_event_records(cycles), _DelayedCopies(cycles):
         yield
+
+
+@contextmanager
+def delayed_replays(cycles: int) -> Iterator[None]:
+    """Delay every `torch.cuda.CUDAGraph.replay` by a `cycles`-long sleep kernel on the stream
+    it replays on while the block runs; torch is as it was after the block, also when it raises."""
+    if cycles < 1:
+        raise ValueError(f"delayed_replays(cycles={cycles}): cycles must be >= 1")
+    graph_class = torch.cuda.CUDAGraph
+    owned = "replay" in vars(graph_class)
+    before = vars(graph_class).get("replay")
+    replay = graph_class.replay
+
+    def delayed_replay(graph: Any) -> Any:
+        _sleep_on(None, cycles)
+        return replay(graph)
+
+    graph_class.replay = delayed_replay  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        if owned:
+            graph_class.replay = before  # type: ignore[method-assign,assignment]
+        else:
+            del graph_class.replay
 
 
 class _DelayedCopies(TorchDispatchMode):

@@ -42,6 +42,7 @@ from pytest_graphmode.strategies.plans import StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
 from pytest_graphmode.strategies.schedules import (
     first_front_departure,
+    first_handover,
     first_pair,
     first_partial_bucket,
     first_phase_change,
@@ -132,14 +133,16 @@ def run_campaign(
     shrunk. `shrink_seconds` bounds the shrinking (None: Hypothesis shrinks until done; 0: the
     failure is reported as found). `on_example(seed, events)` is called before each example runs.
     `pipelined=False` leaves pipelined pairs out of the schedules (docs/contract.md): every step
-    then runs in lockstep, each read before the next is sent; else the campaign's first five
+    then runs in lockstep, each read before the next is sent; else the campaign's first six
     examples are fixed schedules, counted among its examples: the simplest pipelined pair
     (`first_pair`), then a graph replay paired with an eager prefill, a weight update before
     replays, the longest context and a speculative step (`first_phase_change`), then a graph
     captured with a padding row replaying a full batch and a padded one (`first_partial_bucket`),
     then a request leaving the first row while a later one goes on to start a new block and
     sample (`first_front_departure`), then a batch shrinking within its graph as its queries
-    grow, its padding rows following a larger batch's (`first_stale_tail`). `seconds` is a time
+    grow, its padding rows following a larger batch's (`first_stale_tail`), then three requests
+    alone on one graph in turn, each with other sampling values and adapter (`first_handover`).
+    `seconds` is a time
     budget: once that many seconds have passed since the campaign started, no new example starts
     and the campaign ends as passed (a failure found before is shrunk as always, within
     `shrink_seconds`); `max_examples` still caps the count. `cpu_threads`: torch's intra-op
@@ -290,6 +293,7 @@ def _leading_schedules(spec: TargetSpec) -> list[list[StepPlan]]:
         first_partial_bucket(spec),
         first_front_departure(spec),
         first_stale_tail(spec),
+        first_handover(spec),
     ]
 
 
@@ -308,7 +312,8 @@ LEADING = (
     "before any drawn one (the simplest pipelined pair; a replay paired with a prefill, a "
     "weight update, the longest context and a speculative step; a graph captured with a padding "
     "row replaying a full batch; a request leaving the first row while a later one goes on; "
-    "a batch shrinking within its graph as its queries grow), and its replay ends at the "
+    "a batch shrinking within its graph as its queries grow; requests alone on one graph in "
+    "turn, with other sampling values and adapters), and its replay ends at the "
     "failing step"
 )
 

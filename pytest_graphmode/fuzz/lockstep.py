@@ -626,5 +626,9 @@ def _pair_delay(first: Stress, second: Stress) -> Stress:
     the first step's copies and event records are still in flight as the second is prepared, so
     the pair's delay covers the first step too; drawn only on the second, it met a delayed first
     step in about one pair in six."""
+    if not second.delay_cycles:
+        return first
+    # What lands late is the pair's too: with late replays, the first step's replay is the work
+    # the second step's upload must not overtake.
     cycles = max(first.delay_cycles, second.delay_cycles)
-    return dataclasses.replace(first, delay_cycles=cycles)
+    return dataclasses.replace(first, delay_cycles=cycles, late=second.late)

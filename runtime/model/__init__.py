@@ -17,7 +17,6 @@ from pytest_graphmode.runtime.model.inputs import (
     DecoderInputs,
     input_spec,
     make_inputs,
-    step_problems,
     token_requests,
 )
 from pytest_graphmode.runtime.model.reference import reference_forward
@@ -40,7 +39,6 @@ __all__ = [
     "paged_attention",
     "reference_forward",
     "sample",
-    "step_problems",
     "token_requests",
     "weight_shapes",
 ]

@@ -99,19 +99,8 @@ def input_spec(
         capture_sizes=(),
         features=frozenset(features),
         null_block=null_block,
+        num_adapters=shape.num_adapters,
     )
-
-
-def step_problems(batch: Batch, spec: TargetSpec, *, num_adapters: int) -> list[str]:
-    """The contract's `batch_problems`, plus the adapter ids the decoder has weights for."""
-    problems = batch_problems(batch, spec)
-    if problems:
-        return problems
-    return [
-        f"request {r.req_id} (row {row}): adapter={r.adapter} outside [0, {num_adapters}]"
-        for row, r in enumerate(batch.requests)
-        if r.adapter > num_adapters
-    ]
 
 
 def make_inputs(
@@ -137,7 +126,7 @@ def make_inputs(
     spec = input_spec(
         config, null_block=config.null_block, max_num_reqs=num_reqs, max_num_tokens=num_tokens
     )
-    problems = step_problems(Batch(tuple(requests)), spec, num_adapters=config.num_adapters)
+    problems = batch_problems(Batch(tuple(requests)), spec)
     if problems:
         raise ValueError("; ".join(problems))
 

@@ -24,6 +24,7 @@ from pytest_graphmode.strategies.plans import Stress
 from pytest_graphmode.strategies.schedules import (
     DELAY_CYCLES,
     first_front_departure,
+    first_handover,
     first_partial_bucket,
     first_phase_change,
     first_stale_tail,
@@ -53,10 +54,12 @@ def test_the_first_example_is_the_simplest_pipelined_pair_and_one_of_the_example
         toy.make_target, max_examples=3, max_steps=4, seed=5, on_example=lambda _, e: seen.append(e)
     )
     assert stats.examples == len(seen) == 3
-    assert [type(e) for e in seen[0]] == [Batch, Batch, Stress, Batch]
-    # delayed: on cuda the pair's first step is still in flight when the second is prepared
-    assert seen[0][2] == Stress(pipelined=True, delay_cycles=DELAY_CYCLES)
-    assert stats.pipelined_steps >= 2
+    assert [type(e) for e in seen[0]] == [Batch, Batch, Stress, Batch, Batch, Stress, Batch]
+    # delayed: on cuda the pair's first step is still in flight when the second is prepared,
+    # its copies late in the first pair and its replays late in the second
+    assert seen[0][2] == Stress(pipelined=True, delay_cycles=DELAY_CYCLES, late="copies")
+    assert seen[0][5] == Stress(pipelined=True, delay_cycles=DELAY_CYCLES, late="replays")
+    assert stats.pipelined_steps >= 4
 
 
 def test_a_one_example_campaign_runs_the_pair_alone_and_lockstep_campaigns_never():
@@ -64,7 +67,7 @@ def test_a_one_example_campaign_runs_the_pair_alone_and_lockstep_campaigns_never
     alone = run_campaign(
         toy.make_target, max_examples=1, seed=5, on_example=lambda _, e: seen.append(e)
     )
-    assert alone.examples == 1 and alone.pipelined_steps == 2
+    assert alone.examples == 1 and alone.pipelined_steps == 4
     lockstep = run_campaign(
         toy.make_target,
         max_examples=3,
@@ -160,14 +163,15 @@ def test_a_time_budget_runs_hypothesis_in_rounds_with_the_leading_examples_once(
         on_example=lambda _, e: seen.append(e),
     )
     assert stats.examples == len(seen) == rounds + 5 and not stats.stopped_by_time_budget
-    # Only the first round starts with the five leading examples; later rounds draw as a fresh
+    # Only the first round starts with the six leading examples; later rounds draw as a fresh
     # ci-sized run.
-    for i in range(5):
+    for i in range(6):
         assert [j for j, events in enumerate(seen) if events == seen[i]] == [i]
     assert sum(isinstance(e, Batch) for e in seen[1]) == len(first_phase_change(toy.SPEC))
     assert sum(isinstance(e, Batch) for e in seen[2]) == len(first_partial_bucket(toy.SPEC))
     assert sum(isinstance(e, Batch) for e in seen[3]) == len(first_front_departure(toy.SPEC))
     assert sum(isinstance(e, Batch) for e in seen[4]) == len(first_stale_tail(toy.SPEC))
+    assert sum(isinstance(e, Batch) for e in seen[5]) == len(first_handover(toy.SPEC))
 
 
 def test_a_failure_is_shrunk_and_reported_though_the_time_budget_is_spent():

@@ -14,14 +14,17 @@ from pytest_graphmode.fuzz.lockstep import bucket_for
 from pytest_graphmode.strategies import schedules as schedules_module
 from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import BlockAllocator, BlockScheduler, compile_schedule
-from pytest_graphmode.strategies.schedules import batch_lists, row_counts, schedules
+from pytest_graphmode.strategies.schedules import adapter_ids, batch_lists, row_counts, schedules
 from tests.fuzz.toy import SPEC
 
 DECODE_ONLY = dataclasses.replace(SPEC, features=frozenset({"decode"}))
 TIGHT = dataclasses.replace(SPEC, num_blocks=5, max_blocks_per_req=2)
+ADAPTERS = dataclasses.replace(SPEC, num_adapters=7)
 
 
-@pytest.mark.parametrize("spec", [SPEC, DECODE_ONLY, TIGHT], ids=["full", "decode", "tight"])
+@pytest.mark.parametrize(
+    "spec", [SPEC, DECODE_ONLY, TIGHT, ADAPTERS], ids=["full", "decode", "tight", "adapters"]
+)
 @given(data=st.data())
 def test_every_drawn_schedule_compiles_to_legal_batches(spec, data):
     plans = data.draw(schedules(spec, max_steps=8))
@@ -343,6 +346,42 @@ def test_the_stale_tail_schedule_is_left_out_where_it_cannot_run(spec):
 
 
 @pytest.mark.parametrize(
+    ("spec", "seeds", "adapters"),
+    [
+        (SPEC, (6, 7, None), (1, 1, 1)),
+        (ADAPTERS, (6, 7, None), (1, 7, 1)),
+        (DECODE_ONLY, (None,) * 3, (0,) * 3),
+    ],
+    ids=["one-adapter", "seven-adapters", "neither"],
+)
+def test_the_handover_schedule_runs_requests_with_other_values_alone_in_turn(spec, seeds, adapters):
+    events = compile_schedule(spec, schedules_module.first_handover(spec), seed=0)
+    batches = [e for e in events if isinstance(e, Batch)]
+    assert all(batch_problems(b, spec) == [] for b in batches)
+    assert [b.num_reqs for b in batches] == [1] * 6
+    assert [b.phase for b in batches] == ["prefill", "decode"] * 3
+    decodes = [b.requests[0] for b in batches[1::2]]
+    # each request decodes alone on the graph of one row, after the one before it finished
+    assert [r.req_id for r in decodes] == [0, 1, 2]
+    assert {bucket_for(spec, b.num_tokens) for b in batches[1::2]} == {spec.capture_sizes[0]}
+    assert tuple(r.seed for r in decodes) == seeds
+    assert tuple(r.adapter for r in decodes) == adapters
+    assert [r.temperature for r in decodes] == [0.25, 4.0, 0.25]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        dataclasses.replace(SPEC, block_size=1, max_blocks_per_req=1),
+        dataclasses.replace(SPEC, block_size=1, num_blocks=2),
+    ],
+    ids=["one-slot-per-request", "one-slot-in-the-cache"],
+)
+def test_the_handover_schedule_is_left_out_where_a_request_cannot_decode(spec):
+    assert schedules_module.first_handover(spec) == []
+
+
+@pytest.mark.parametrize(
     ("spec", "longest"),
     [(SPEC, 14), (LONG_BLOCKS, 62), (DECODE_ONLY, 6)],
     ids=["prompt-within-budget", "prompt-past-budget", "a-token-a-step"],
@@ -366,3 +405,29 @@ def test_the_phase_change_schedule_decodes_the_long_request_alone_whatever_the_b
         b for b in batches[3:] if any(r.req_id == long_id and len(r.tokens) > 1 for r in b.requests)
     ]
     assert all(any(r.req_id == first_id for r in b.requests) for b in prefilling)
+
+
+@pytest.mark.parametrize(
+    ("num_adapters", "drawn"),
+    [(1, (0, 1)), (2, (0, 1, 2)), (3, (0, 1, 2, 3)), (7, (0, 1, 2, 3, 7))],
+)
+def test_arrivals_name_the_base_the_first_adapters_and_the_last(num_adapters, drawn):
+    assert adapter_ids(dataclasses.replace(SPEC, num_adapters=num_adapters)) == drawn
+
+
+def test_a_campaign_sends_two_adapters_to_one_graph_where_the_spec_has_them():
+    # A graph captured for one adapter must meet another: two adapters beside the base in one
+    # schedule, each in a decode step of the same padded size.
+    @settings(max_examples=200, database=None, derandomize=True)
+    @given(data=st.data())
+    def draw(data):
+        plans = data.draw(schedules(ADAPTERS, max_steps=8))
+        events = compile_schedule(ADAPTERS, plans, seed=3)
+        seen: dict[int, set[int]] = {}
+        for batch in (e for e in events if isinstance(e, Batch) and e.phase == "decode"):
+            seen.setdefault(bucket_for(ADAPTERS, batch.num_tokens), set()).update(batch.adapters)
+        found.append(any(len(adapters - {0}) > 1 for adapters in seen.values()))
+
+    found: list[bool] = []
+    draw()
+    assert any(found)

@@ -24,7 +24,11 @@ from pytest_graphmode.contract import Batch, Request
 from pytest_graphmode.fuzz import replay
 from pytest_graphmode.strategies import stream_delays, stressors
 from pytest_graphmode.strategies.plans import Stress
-from pytest_graphmode.strategies.stream_delays import async_copy_device, delayed_streams
+from pytest_graphmode.strategies.stream_delays import (
+    async_copy_device,
+    delayed_replays,
+    delayed_streams,
+)
 from tests.fuzz.toy import ToyTarget
 
 aten = torch.ops.aten
@@ -190,9 +194,47 @@ def test_a_delayed_cuda_step_delays_every_stream():
     assert vars(torch.cuda.Event)["record"] is record
 
 
-def test_only_the_graph_twins_step_runs_in_the_delay_scope(monkeypatch):
+def test_a_cuda_step_delayed_late_replays_delays_its_replays_and_not_its_copies():
+    record, replay = vars(torch.cuda.Event)["record"], vars(torch.cuda.CUDAGraph)["replay"]
+    stress = Stress(delay_cycles=1000, late="replays")
+    with stressors.delayed_step(_Backend("cuda"), stress):
+        assert vars(torch.cuda.Event)["record"] is record
+        assert torch.cuda.CUDAGraph.replay is not replay
+    assert vars(torch.cuda.CUDAGraph)["replay"] is replay
+
+
+def test_a_replay_in_the_scope_sleeps_on_the_current_stream_first(sleeps, monkeypatch):
+    calls: list[Any] = []
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: calls.append(graph))
+    with delayed_replays(13):
+        torch.cuda.CUDAGraph.replay("graph")
+    torch.cuda.CUDAGraph.replay("after the scope")
+    assert sleeps == [(None, 13)]  # None: the current stream, the one the graph replays on
+    assert calls == ["graph", "after the scope"]
+
+
+def test_the_replay_scope_restores_torch_exactly_when_the_step_raises():
+    replay = vars(torch.cuda.CUDAGraph)["replay"]
+    with pytest.raises(KeyError), delayed_replays(1):
+        assert torch.cuda.CUDAGraph.replay is not replay
+        raise KeyError("the runner failed")
+    assert vars(torch.cuda.CUDAGraph)["replay"] is replay
+
+
+def test_zero_cycles_of_late_replays_is_refused():
+    with pytest.raises(ValueError, match="cycles must be >= 1"), delayed_replays(0):
+        pass
+
+
+def test_a_stress_names_what_lands_late():
+    with pytest.raises(ValueError, match=r"Stress\.late='kernels'; use one of"):
+        Stress(delay_cycles=1, late="kernels")  # type: ignore[arg-type]
+
+
+def _scopes_of_steps(monkeypatch, events) -> list[tuple[int, Stress | None]]:
+    """(twin number, the delay scope open during its step) for every twin step `events` run."""
     open_scopes: list[Stress] = []
-    steps: list[tuple[int, Stress | None]] = []  # (twin number, the scope open during its step)
+    steps: list[tuple[int, Stress | None]] = []
     made: list[ToyTarget] = []
 
     @contextmanager
@@ -213,12 +255,33 @@ def test_only_the_graph_twins_step_runs_in_the_delay_scope(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(stressors, "delayed_step", scope)
+    replay(events, factory=factory, backend="sim")
+    return steps
+
+
+def test_only_the_graph_twins_step_runs_in_the_delay_scope(monkeypatch):
     stress = Stress(delay_cycles=1000)
-    replay([stress, Batch((Request(0, (1, 2), 0, (1,)),))], factory=factory, backend="sim")
+    steps = _scopes_of_steps(monkeypatch, [stress, Batch((Request(0, (1, 2), 0, (1,)),))])
     # The lockstep driver makes the graph twin first.
     assert [scope for twin, scope in steps if twin == 0] == [stress]
     assert {1, 2} <= {twin for twin, _ in steps}  # the eager and clean twins stepped too
     assert all(scope is None for twin, scope in steps if twin != 0)
+
+
+@pytest.mark.parametrize("late", ["copies", "replays"])
+def test_both_steps_of_a_delayed_pair_make_the_same_work_late(monkeypatch, late):
+    # With late replays the first step's replay is what the second step's upload must not
+    # overtake: a pair whose first step made its copies late instead would hide that race.
+    pair = Stress(pipelined=True, delay_cycles=1000, late=late)
+    prefill = Batch((Request(0, (1, 2), 0, (1,)),))
+    first, second = (Batch((Request(0, (t,), n, (1,)),)) for t, n in ((3, 2), (4, 3)))
+    steps = _scopes_of_steps(monkeypatch, [prefill, first, pair, second])
+    graph = [scope for twin, scope in steps if twin == 0]
+    assert [(s.delay_cycles, s.late) for s in graph if s is not None] == [
+        (0, "copies"),  # the prefill, undelayed
+        (1000, late),
+        (1000, late),
+    ]
 
 
 UNGUARDED_UNTIL_COMPILING = """

@@ -14,7 +14,7 @@ import torch
 
 from pytest_graphmode.runtime import backends
 from pytest_graphmode.runtime.backends import Backend
-from pytest_graphmode.strategies.stream_delays import delayed_streams
+from pytest_graphmode.strategies.stream_delays import delayed_replays, delayed_streams
 
 pytestmark = pytest.mark.graphmode_cuda
 
@@ -112,3 +112,28 @@ def test_nothing_sleeps_inside_a_capture(be, monkeypatch):
     staging.fill_(4.0)
     graph.replay()
     assert doubled.unique().tolist() == [8.0]
+
+
+def _doubling_graph(be):
+    """A graph that doubles a static input buffer (zeros), and that buffer and output."""
+    static = torch.zeros(WORDS, device=be.device)
+    graph = be.Graph()
+    with be.graph(graph):
+        out = static * 2
+    be.synchronize()
+    return graph, static, out
+
+
+@pytest.mark.parametrize("waits", [False, True], ids=["the-bug", "waiting"])
+def test_an_upload_not_waiting_for_the_replay_before_it_overwrites_that_replays_inputs(be, waits):
+    graph, static, out = _doubling_graph(be)
+    staging, _ = _staged(be, 3.0)
+    copy_stream = be.Stream()
+    with delayed_replays(CYCLES):
+        graph.replay()  # the step before, still to read `static`
+        if waits:
+            copy_stream.wait_stream(be.current_stream())
+        with be.stream(copy_stream):
+            static.copy_(staging, non_blocking=True)  # the next step's upload
+    be.synchronize()
+    assert out.unique().tolist() == ([0.0] if waits else [6.0])

@@ -58,7 +58,7 @@ def _request(**change: object) -> Request:
         (_request(block_ids=(0, 2)), "uses the null block 0"),
         (_request(block_ids=(1, 64)), r"block ids \[64\] outside \[0, 64\)"),
         (_request(tokens=(1, 256)), r"token ids \[256\] outside the vocabulary \[0, 256\)"),
-        (_request(adapter=3), r"adapter=3 outside \[0, 2\]"),
+        (_request(adapter=3), r"adapter=3 outside \[0, num_adapters=2\]"),
         (_request(tokens=()), "has no query tokens"),
         (
             _request(context_len=31, block_ids=tuple(range(1, 10))),

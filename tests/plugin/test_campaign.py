@@ -279,13 +279,13 @@ def test_ctrl_c_keeps_every_step_counted_in_the_summary_and_the_report(
         "--graphmode-report=graphmode.json",
     )
     assert run.ret == pytest.ExitCode.INTERRUPTED
-    # The 11th step of a graph-mode twin (graph or clean) is the graph twin's first of the second
-    # leading example's pair: the leading pair's 3 steps took 6, that example's first step 2, and
-    # the clean twin ran both steps of the pair first. Checked before the interrupt: 4 steps.
-    run.fnmatch_lines(["campaigns: 1  examples: 2  steps: 4  time: *"])
+    # The 11th step of a graph-mode twin (graph or clean) is the second leading example's first:
+    # the first leading example's 5 steps took 10, each on the graph and the clean twin. Checked
+    # before the interrupt: 5 steps.
+    run.fnmatch_lines(["campaigns: 1  examples: 2  steps: 5  time: *"])
     report = json.loads((run.path / "graphmode.json").read_text())
-    assert (report["campaigns"], report["steps"]) == (1, 4)
-    assert report["checks_run"]["replay_matches_eager"] == 4
+    assert (report["campaigns"], report["steps"]) == (1, 5)
+    assert report["checks_run"]["replay_matches_eager"] == 5
 
 
 def test_twins_share_a_seed_and_are_closed_afterwards(toy_project: pytest.Pytester) -> None:
