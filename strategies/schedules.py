@@ -324,9 +324,10 @@ def _first_then(parts: tuple[StepPlan, list[StepPlan]]) -> list[StepPlan]:
 def first_pair() -> list[StepPlan]:
     """The simplest schedule whose pipelined pairs run two decode steps: one step that admits a
     request (its prefill), then two decode steps of it, the second submitted before the first is
-    read, then two more the same way. A campaign runs it as its first example: Hypothesis's own first example is its simplest
-    draw, a single step, and a race between two steps (an event not waited for, a staging buffer
-    rewritten while the step before still reads it) needs two steps that both replay a graph.
+    read, then two more the same way. A campaign runs it as its first example: Hypothesis's own
+    first example is its simplest draw, a single step, and a race between two steps (an event not
+    waited for, a staging buffer rewritten while the step before still reads it) needs two steps
+    that both replay a graph.
 
     It is not what `schedules` draws first because shrinking moves towards the simplest draw: were
     a pair the simplest, every shrunk schedule would keep one, and a bug of one step would be
@@ -567,8 +568,8 @@ def first_handover(spec: TargetSpec) -> list[StepPlan]:
     finishing in the same step), then decodes alone. A samples at the lowest temperature drawn,
     on the first adapter; B samples at the highest, on the last adapter the spec declares; C is
     greedy, on the first adapter again (sampling and adapters where the spec has them). Their
-    decode steps have one request each, so they run on one graph (on two where the runner keys
-    its graphs by whether a batch uses adapters and the spec has none: A's then serves B and C).
+    decode steps have one request each and, where the spec has adapters, each on one, so they
+    run on one graph even where a runner keys its graphs by whether a batch uses adapters.
     Whatever the runner read from the batch on the host when it captured that graph (a
     temperature, a seed, whether a row samples, which adapter's weights to apply when the batch
     has only one) replays for B and C as it was. A random schedule seldom runs such a handover:
