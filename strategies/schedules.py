@@ -575,7 +575,18 @@ def first_handover(spec: TargetSpec) -> list[StepPlan]:
     has only one) replays for B and C as it was. A random schedule seldom runs such a handover:
     per-request values are drawn per arrival, most decode steps hold several requests, and two
     requests alone on one graph in turn with different values need a departure and an admission
-    between them. Empty where the cache cannot hold one request's two positions."""
+    between them.
+
+    Then D, a one-token prompt, joins C listed before it: a batch of one-token rows whose new
+    request comes first. A runner that orders its rows its own way (requests that continue a
+    sequence first, as engines that reorder a batch for their kernels do) must give the results
+    back in the batch's order; schedules list new requests last unless a step rotates its rows.
+
+    Last (where the spec prefills), two prefill steps of the same padded token count c (the
+    smallest even capture size of at least 4 a step may fill): c / 2 two-token prompts, then one prompt
+    of c tokens. A graph captured for the first (its longest query 2, read on the host to size
+    attention's query window, as varlen attention metadata's `max_query_len` is) replays the
+    second as it was. Empty where the cache cannot hold one request's two positions."""
     if _blocks(spec, 2) > min(spec.max_blocks_per_req, spec.num_blocks - 1):
         return []
     seeds = (6, 7) if "sampling" in spec.features else (None, None)
@@ -594,7 +605,35 @@ def first_handover(spec: TargetSpec) -> list[StepPlan]:
             StepPlan(kind="prefill", rows=1, arrivals=(arrival,), finish=gone),
             StepPlan(kind="decode", rows=1),
         ]
-    return plans
+    # C, then D admitted after it: rotated by one, D's row comes first.
+    if spec.max_num_reqs >= 2:
+        plans.append(StepPlan(kind="mixed", rows=2, arrivals=(Arrival(prompt_len=1),), rotate=1))
+    return plans + _short_then_long_queries(spec, live=min(2, spec.max_num_reqs))
+
+
+def _short_then_long_queries(spec: TargetSpec, live: int) -> list[StepPlan]:
+    """Two prefill steps padded to one capture size c: c / 2 two-token prompts, then one prompt
+    of c tokens (`first_handover`), beside `live` requests of three positions at most; empty
+    where no such c fits a step, a request or the cache."""
+    if "prefill" not in spec.features:
+        return []
+    most = min(spec.max_num_tokens, _capacity(spec))
+    c = next(
+        (
+            s
+            for s in spec.capture_sizes
+            if 4 <= s <= most and s % 2 == 0 and s // 2 <= spec.max_num_reqs
+        ),
+        None,
+    )
+    if c is None:
+        return []
+    held = live * _blocks(spec, 3) + c // 2 * _blocks(spec, 2) + _blocks(spec, c)
+    if held > spec.num_blocks - 1:
+        return []
+    short = StepPlan(kind="prefill", rows=c // 2, arrivals=(Arrival(prompt_len=2),) * (c // 2))
+    long = StepPlan(kind="prefill", rows=1, arrivals=(Arrival(prompt_len=c),), chunk=c)
+    return [short, long]
 
 
 def _shrunk_rows(spec: TargetSpec) -> tuple[int, int] | None:

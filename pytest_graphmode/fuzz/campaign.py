@@ -141,7 +141,8 @@ def run_campaign(
     then a request leaving the first row while a later one goes on to start a new block and
     sample (`first_front_departure`), then a batch shrinking within its graph as its queries
     grow, its padding rows following a larger batch's (`first_stale_tail`), then three requests
-    alone on one graph in turn, each with other sampling values and adapter (`first_handover`).
+    alone on one graph in turn, each with other sampling values and adapter, a new request listed
+    before a continuing one, and short then long queries on one padded size (`first_handover`).
     `seconds` is a time
     budget: once that many seconds have passed since the campaign started, no new example starts
     and the campaign ends as passed (a failure found before is shrunk as always, within
@@ -313,7 +314,8 @@ LEADING = (
     "weight update, the longest context and a speculative step; a graph captured with a padding "
     "row replaying a full batch; a request leaving the first row while a later one goes on; "
     "a batch shrinking within its graph as its queries grow; requests alone on one graph in "
-    "turn, with other sampling values and adapters), and its replay ends at the "
+    "turn, with other sampling values and adapters, then a new request listed first and a "
+    "query growing on one padded size), and its replay ends at the "
     "failing step"
 )
 

@@ -358,6 +358,7 @@ def test_the_handover_schedule_runs_requests_with_other_values_alone_in_turn(spe
     events = compile_schedule(spec, schedules_module.first_handover(spec), seed=0)
     batches = [e for e in events if isinstance(e, Batch)]
     assert all(batch_problems(b, spec) == [] for b in batches)
+    batches = batches[:6]  # the handover; what follows it is the next test's
     assert [b.num_reqs for b in batches] == [1] * 6
     assert [b.phase for b in batches] == ["prefill", "decode"] * 3
     decodes = [b.requests[0] for b in batches[1::2]]
@@ -367,6 +368,30 @@ def test_the_handover_schedule_runs_requests_with_other_values_alone_in_turn(spe
     assert tuple(r.seed for r in decodes) == seeds
     assert tuple(r.adapter for r in decodes) == adapters
     assert [r.temperature for r in decodes] == [0.25, 4.0, 0.25]
+
+
+@pytest.mark.parametrize(
+    ("spec", "prefills"),
+    [
+        (SPEC, True),
+        (DECODE_ONLY, False),
+        (dataclasses.replace(SPEC, capture_sizes=(1, 2, 3)), False),
+    ],
+    ids=["prefill", "decode-only", "no-even-size-of-four-or-more"],
+)
+def test_the_handover_schedule_then_lists_a_new_request_first_and_grows_a_query(spec, prefills):
+    events = compile_schedule(spec, schedules_module.first_handover(spec), seed=0)
+    batches = [e for e in events if isinstance(e, Batch)][6:]
+    joined = batches[0]
+    # one-token rows, the new request listed before the one that continues
+    assert [(r.context_len, len(r.tokens)) for r in joined.requests] == [(0, 1), (2, 1)]
+    assert len(batches) == (3 if prefills else 1)
+    if prefills:
+        short, long = batches[1:]
+        # one padded token count, the longest query 2, then all of it
+        assert bucket_for(spec, short.num_tokens) == bucket_for(spec, long.num_tokens) == 4
+        assert (max(short.query_lens), max(long.query_lens)) == (2, 4)
+        assert all(r.context_len == 0 for r in (*short.requests, *long.requests))
 
 
 @pytest.mark.parametrize(

@@ -25,8 +25,12 @@ CAUGHT_BY = {
     "fallback_shares_buffers": "no_stream_races",  # the next upload under a replay still reading
     "adapter_path_baked": "replay_matches_eager",  # the LoRA path left out of a capture
     "adapter_id_baked": "replay_matches_eager",  # one adapter's weights baked into a capture
+    "reorder_not_undone": "replay_matches_eager",  # rows left in the runner's own order
+    "piecewise_query_len_baked": "replay_matches_eager",  # a capture's longest query baked in
+    "weights_loaded_unsynced": "no_stream_races",  # weights still loading when a step reads them
 }
-# Caught on a GPU too, whatever the timing: no race among them.
+# Caught on a GPU too, whatever the timing: no race among them. (`reorder_not_undone` and
+# `piecewise_query_len_baked` have no race either, but have not run on a GPU yet.)
 ON_CUDA = (
     "max_context_baked",
     "dirty_rows",
