@@ -102,12 +102,12 @@ class StaticInputs:
 
     def check(self, batch: Batch) -> None:
         """Raise ValueError listing every reason `batch` is not a step these inputs can hold."""
-        _reject(self._problems(batch))
+        _reject(batch_problems(batch, self._spec))
 
     def stage(self, batch: Batch, padded_reqs: int, padded_tokens: int) -> None:
         """Validate `batch`, then write it and its padding rows; raises ValueError, writing
         nothing, when the batch is bad. An empty batch stages padding only (used for capture)."""
-        problems = self._problems(batch) if batch.requests else []
+        problems = batch_problems(batch, self._spec) if batch.requests else []
         limits = self.limits
         if not problems and not batch.num_reqs <= padded_reqs <= limits.max_num_reqs:
             problems.append(
@@ -136,9 +136,6 @@ class StaticInputs:
         self._device.copy_(self._host, non_blocking=True)
         self._copied.record()
         self._copy_pending = True
-
-    def _problems(self, batch: Batch) -> list[str]:
-        return batch_problems(batch, self._spec)
 
     def _write_host(self, rows: HostRows) -> None:
         # Every integer field's rows in one indexed write: a step costs a fixed number of tensor

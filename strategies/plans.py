@@ -43,7 +43,8 @@ class Stress:
     that many cycles on the current stream before the step, and one ahead of every asynchronous
     host copy and event record of the stressed twin's step, on whichever stream it runs, or,
     with `late="replays"`, ahead of every graph replay instead (`stream_delays`): the other order
-    of a race, a copy overwriting what a replay still reads; `scheduler_seed`: on sim, reseed the stream scheduler (both when not None).
+    of a race, a copy overwriting what a replay still reads; `scheduler_seed`: on sim, reseed the
+    stream scheduler (both when not None).
     Poisoning needs no field: it happens before every step.
 
     `pipelined`: the harness submits the next step to the graph twin before it reads anything of

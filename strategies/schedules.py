@@ -583,8 +583,8 @@ def first_handover(spec: TargetSpec) -> list[StepPlan]:
     back in the batch's order; schedules list new requests last unless a step rotates its rows.
 
     Last (where the spec prefills), two prefill steps of the same padded token count c (the
-    smallest even capture size of at least 4 a step may fill): c / 2 two-token prompts, then one prompt
-    of c tokens. A graph captured for the first (its longest query 2, read on the host to size
+    smallest even capture size of at least 4 a step may fill): c / 2 two-token prompts, then one
+    prompt of c tokens. A graph captured for the first (its longest query 2, read on the host to size
     attention's query window, as varlen attention metadata's `max_query_len` is) replays the
     second as it was. Empty where the cache cannot hold one request's two positions."""
     if _blocks(spec, 2) > min(spec.max_blocks_per_req, spec.num_blocks - 1):

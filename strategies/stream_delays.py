@@ -43,8 +43,8 @@ followed by a copy or an event record, and copies issued by C++ code that bypass
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -94,23 +94,9 @@ def delayed_replays(cycles: int) -> Iterator[None]:
     it replays on while the block runs; torch is as it was after the block, also when it raises."""
     if cycles < 1:
         raise ValueError(f"delayed_replays(cycles={cycles}): cycles must be >= 1")
-    graph_class = torch.cuda.CUDAGraph
-    owned = "replay" in vars(graph_class)
-    before = vars(graph_class).get("replay")
-    replay = graph_class.replay
-
-    def delayed_replay(graph: Any) -> Any:
-        _sleep_on(None, cycles)
-        return replay(graph)
-
-    graph_class.replay = delayed_replay  # type: ignore[method-assign,assignment]
-    try:
+    # None: the current stream, which the graph replays on.
+    with _sleeping_before(torch.cuda.CUDAGraph, "replay", cycles, lambda graph: None):
         yield
-    finally:
-        if owned:
-            graph_class.replay = before  # type: ignore[method-assign,assignment]
-        else:
-            del graph_class.replay
 
 
 class _DelayedCopies(TorchDispatchMode):
@@ -148,25 +134,37 @@ class _DelayedCopies(TorchDispatchMode):
 _delay_unseen_by_compiler = torch._disable_dynamo(_DelayedCopies.delay_then_run, recursive=True)
 
 
+def _delayed_event_records(cycles: int) -> AbstractContextManager[None]:
+    # The stream an event is recorded on: the one passed, or (None) the current stream.
+    def stream(event: Any, stream: Any = None) -> Any:
+        return stream
+
+    return _sleeping_before(torch.cuda.Event, "record", cycles, stream)
+
+
 @contextmanager
-def _delayed_event_records(cycles: int) -> Iterator[None]:
-    event_class = torch.cuda.Event
-    owned = "record" in vars(event_class)
-    before = vars(event_class).get("record")
-    record = event_class.record  # what an instance resolves today, inherited or not
+def _sleeping_before(
+    owner: type, name: str, cycles: int, stream: Callable[..., Any]
+) -> Iterator[None]:
+    """`owner.name` replaced for the block by a call that first sleeps `cycles` on
+    `stream(*arguments)` (None: the current stream); on exit, also when the block raises, the
+    exact attribute `owner` had is put back (or removed, where it inherited it)."""
+    owned = name in vars(owner)
+    before = vars(owner).get(name)
+    original = getattr(owner, name)  # what an instance resolves today, inherited or not
 
-    def delayed_record(event: Any, stream: Any = None) -> Any:
-        _sleep_on(stream, cycles)
-        return record(event, stream)
+    def delayed(*args: Any, **kwargs: Any) -> Any:
+        _sleep_on(stream(*args, **kwargs), cycles)
+        return original(*args, **kwargs)
 
-    event_class.record = delayed_record  # type: ignore[method-assign,assignment]
+    setattr(owner, name, delayed)
     try:
         yield
     finally:
         if owned:
-            event_class.record = before  # type: ignore[method-assign,assignment]
+            setattr(owner, name, before)
         else:
-            del event_class.record
+            delattr(owner, name)
 
 
 def _current_stream(device: torch.device) -> Any:

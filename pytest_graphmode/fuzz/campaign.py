@@ -143,9 +143,8 @@ def run_campaign(
     grow, its padding rows following a larger batch's (`first_stale_tail`), then three requests
     alone on one graph in turn, each with other sampling values and adapter, a new request listed
     before a continuing one, and short then long queries on one padded size (`first_handover`).
-    `seconds` is a time
-    budget: once that many seconds have passed since the campaign started, no new example starts
-    and the campaign ends as passed (a failure found before is shrunk as always, within
+    `seconds` is a time budget: once that many seconds have passed since the campaign started, no
+    new example starts and the campaign ends as passed (a failure found before is shrunk as always, within
     `shrink_seconds`); `max_examples` still caps the count. `cpu_threads`: torch's intra-op
     CPU threads while the campaign runs (None: as they are; `campaign_process.torch_cpu_threads`
     says why 1). `stop`, asked before each example while nothing has failed, ends the campaign as

@@ -620,15 +620,13 @@ def _clones(result: StepResult) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _pair_delay(first: Stress, second: Stress) -> Stress:
-    """The stress a pipelined pair's first step runs under: its own, with the pair's delay when
-    the pair has one. A race between the two steps (the second step's preparation rewriting what
-    the first step's copies still read, or not waiting for its events) shows on the GPU only while
-    the first step's copies and event records are still in flight as the second is prepared, so
-    the pair's delay covers the first step too; drawn only on the second, it met a delayed first
-    step in about one pair in six."""
+    """The stress a pipelined pair's first step runs under: its own, with the pair's delay (and
+    what it makes land late) when the pair has one. A race between the two steps (the second
+    step's preparation rewriting what the first step's copies or replay still read, or not
+    waiting for its events) shows on the GPU only while that work of the first step is still in
+    flight as the second is prepared, so the pair's delay covers the first step too; drawn only
+    on the second, it met a delayed first step in about one pair in six."""
     if not second.delay_cycles:
         return first
-    # What lands late is the pair's too: with late replays, the first step's replay is the work
-    # the second step's upload must not overtake.
     cycles = max(first.delay_cycles, second.delay_cycles)
     return dataclasses.replace(first, delay_cycles=cycles, late=second.late)

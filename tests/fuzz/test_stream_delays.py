@@ -196,9 +196,11 @@ def test_a_delayed_cuda_step_delays_every_stream():
 
 def test_a_cuda_step_delayed_late_replays_delays_its_replays_and_not_its_copies():
     record, replay = vars(torch.cuda.Event)["record"], vars(torch.cuda.CUDAGraph)["replay"]
+    depth = len(_get_current_dispatch_mode_stack())
     stress = Stress(delay_cycles=1000, late="replays")
     with stressors.delayed_step(_Backend("cuda"), stress):
         assert vars(torch.cuda.Event)["record"] is record
+        assert len(_get_current_dispatch_mode_stack()) == depth  # no mode to delay copies
         assert torch.cuda.CUDAGraph.replay is not replay
     assert vars(torch.cuda.CUDAGraph)["replay"] is replay
 
