@@ -98,6 +98,10 @@ class TargetSpec:
     null_block: int = 0
     # With the "adapters" feature, requests name adapters 0 (the base) to num_adapters.
     num_adapters: int = 1
+    # False: a request's logits may depend on the other requests of its batch and their order
+    # (capacity-limited expert routing, a norm over the batch), so the company twin runs the
+    # whole batch in its order, from other KV blocks, instead of the sampled requests alone.
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         problems = spec_problems(self)
@@ -135,6 +139,8 @@ def spec_problems(spec: TargetSpec) -> list[str]:
     if not _is_int(spec.num_adapters) or spec.num_adapters < least:
         needs = "with the 'adapters' feature" if least else "as a count"
         problems.append(f"num_adapters={spec.num_adapters!r} must be an integer >= {least} {needs}")
+    if not isinstance(spec.batch_invariant, bool):
+        problems.append(f"batch_invariant={spec.batch_invariant!r} must be True or False")
     return problems
 
 

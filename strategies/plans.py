@@ -13,9 +13,10 @@ from typing import Literal
 
 StepKind = Literal["decode", "spec", "prefill", "mixed"]
 STEP_KINDS: tuple[StepKind, ...] = ("decode", "spec", "prefill", "mixed")
-# What a delay makes land late on cuda (`stream_delays`): copies and event records, or replays.
-Late = Literal["copies", "replays"]
-LATE: tuple[Late, ...] = ("copies", "replays")
+# What a delay makes land late on cuda (`stream_delays`): copies and event records, or the
+# step's computation (its eager kernels and graph replays).
+Late = Literal["copies", "compute"]
+LATE: tuple[Late, ...] = ("copies", "compute")
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,10 @@ class Stress:
     `update_weights(weight_seed)` on every twin. `delay_cycles`: on cuda, queue a sleep kernel of
     that many cycles on the current stream before the step, and one ahead of every asynchronous
     host copy and event record of the stressed twin's step, on whichever stream it runs, or,
-    with `late="replays"`, ahead of every graph replay instead (`stream_delays`): the other order
-    of a race, a copy overwriting what a replay still reads; `scheduler_seed`: on sim, reseed the
-    stream scheduler (both when not None).
+    with `late="compute"`, on the current stream as the step begins and ahead of every graph
+    replay instead (`stream_delays`): the other order of a race, a copy overwriting what a replay
+    or an eager forward still reads; `scheduler_seed`: on sim, reseed the stream scheduler (both
+    when not None).
     Poisoning needs no field: it happens before every step.
 
     `pipelined`: the harness submits the next step to the graph twin before it reads anything of

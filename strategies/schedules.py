@@ -161,7 +161,7 @@ def stresses(
         delay_cycles=delays,
         scheduler_seed=scheduler_seeds,
     )
-    # A pair's delay makes its copies land late, or its replays: on cuda each shows one order
+    # A pair's delay makes its copies land late, or its computation: on cuda each shows one order
     # of a race between the two steps (`stream_delays`).
     pairs = st.builds(
         Stress,
@@ -337,8 +337,9 @@ def first_pair() -> list[StepPlan]:
     GPU the first step is still in flight when the second is prepared, as the race needs: in the
     first pair its copies and event records land late (a replay that does not wait for its
     upload reads the inputs before they land, a host that rewrites pinned staging too early
-    changes what is still to be copied), in the second its graph replays do (an upload that does
-    not wait for the replay before it overwrites the inputs that replay is still to read)."""
+    changes what is still to be copied), in the second its computation does, eager kernels and
+    graph replays (an upload that does not wait for the work before it overwrites the inputs that
+    work is still to read)."""
     single = StepPlan(kind="decode", rows=1)
     pairs = [
         dataclasses.replace(

@@ -1,5 +1,5 @@
 """Delays on every stream a runner uses (cuda): asynchronous copies and event records land late,
-or graph replays do.
+or a step's computation does.
 
 A sleep kernel on the current stream before a step only delays the work queued on that stream;
 a runner's own copy stream, or a copy issued after a blocking copy has drained the stream, still
@@ -26,10 +26,14 @@ copies and records are left as they are (their timing is the replay's).
 
 A race has two orders, and copies landing late show only one: work that needs a copy runs before
 it. The other (a copy that overwrites what earlier work still reads: the next step's upload into
-the static buffers a replay has not read yet) shows only when that work is late instead.
-`delayed_replays(cycles)` enqueues the sleep kernel ahead of every `torch.cuda.CUDAGraph.replay`,
-on the stream it replays on, and leaves copies and event records undelayed; the class attribute
-is replaced and put back as `Event.record` is. Eager kernels are not delayed.
+the static buffers a replay or an eager forward has not read yet) shows only when that work is late
+instead. `delayed_compute(cycles)` enqueues the sleep kernel on the current stream as the step
+begins, so the eager kernels the step queues there run late, and again ahead of every
+`torch.cuda.CUDAGraph.replay`, on the stream it replays on, so a replay is late even after the
+host has waited for that stream or on a stream of its own; copies and event records are left
+undelayed. The replay's class attribute is replaced and put back as `Event.record` is. Eager
+kernels queued after the host waited for the current stream inside the step (an `.item()`, a
+blocking download) are not delayed, nor are eager kernels on side streams.
 
 Scope: the copies are seen by a `TorchDispatchMode` pushed on entry and popped on exit, so modes
 the runner enters inside the scope see the operations before it, as usual. `torch.cuda.Event.record`
@@ -89,11 +93,14 @@ def delayed_streams(cycles: int) -> Iterator[None]:
 
 
 @contextmanager
-def delayed_replays(cycles: int) -> Iterator[None]:
-    """Delay every `torch.cuda.CUDAGraph.replay` by a `cycles`-long sleep kernel on the stream
-    it replays on while the block runs; torch is as it was after the block, also when it raises."""
+def delayed_compute(cycles: int) -> Iterator[None]:
+    """Delay the block's computation: a `cycles`-long sleep kernel on the current stream on entry
+    (the eager kernels queued after it wait for it) and ahead of every
+    `torch.cuda.CUDAGraph.replay` on the stream it replays on; copies and event records are not
+    delayed. Torch is as it was after the block, also when it raises."""
     if cycles < 1:
-        raise ValueError(f"delayed_replays(cycles={cycles}): cycles must be >= 1")
+        raise ValueError(f"delayed_compute(cycles={cycles}): cycles must be >= 1")
+    _sleep_on(None, cycles)
     # None: the current stream, which the graph replays on.
     with _sleeping_before(torch.cuda.CUDAGraph, "replay", cycles, lambda graph: None):
         yield

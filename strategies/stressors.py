@@ -18,7 +18,7 @@ import torch
 from pytest_graphmode.contract import Batch, TargetSpec, slot_major
 from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.strategies.plans import Stress
-from pytest_graphmode.strategies.stream_delays import delayed_replays, delayed_streams
+from pytest_graphmode.strategies.stream_delays import delayed_compute, delayed_streams
 
 _FLOAT_POISON = (float("nan"), float("inf"), float("-inf"), 3.0e38)
 _CHURN_BYTES = (4 << 10, 256 << 10, 4 << 20)
@@ -91,11 +91,11 @@ def delay(backend: Backend, stress: Stress) -> None:
 
 def delayed_step(backend: Backend, stress: Stress) -> AbstractContextManager[None]:
     """The scope to run the stressed twin's step in: on cuda with `stress.delay_cycles`, every
-    asynchronous host copy and event record on any stream lands late, or every graph replay
-    where `stress.late` says "replays" (`stream_delays`); anywhere else nothing is entered at
-    all, so an unstressed step pays nothing."""
+    asynchronous host copy and event record on any stream lands late, or the step's eager kernels
+    and graph replays where `stress.late` says "compute" (`stream_delays`); anywhere else
+    nothing is entered at all, so an unstressed step pays nothing."""
     if stress.delay_cycles and backend.name == "cuda":
-        if stress.late == "replays":
-            return delayed_replays(stress.delay_cycles)
+        if stress.late == "compute":
+            return delayed_compute(stress.delay_cycles)
         return delayed_streams(stress.delay_cycles)
     return nullcontext()

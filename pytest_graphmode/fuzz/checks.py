@@ -39,6 +39,22 @@ def _shape_problem(batch: Batch, result: StepResult, spec: TargetSpec) -> str | 
     return None
 
 
+def _both_raised(graph_error: str, eager_error: str) -> str:
+    """Both tracebacks, unless the graph twin's ends as the eager twin's does (the same
+    exception and message): then the eager twin's, said to be shared."""
+    if _last_line(graph_error) == _last_line(eager_error):
+        return f"both twins raised the same error on a legal batch; eager twin's:\n{eager_error}"
+    return (
+        f"both twins raised on a legal batch; eager twin's error:\n{eager_error}\n"
+        f"graph twin's error:\n{graph_error}"
+    )
+
+
+def _last_line(error: str) -> str:
+    lines = error.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
 def replay_matches_eager(
     batch: Batch, graph: Outcome, eager: Outcome, spec: TargetSpec
 ) -> list[Violation]:
@@ -46,7 +62,7 @@ def replay_matches_eager(
     name = REPLAY_MATCHES_EAGER
     if graph.error or eager.error:
         if graph.error and eager.error:
-            detail = f"both twins raised on a legal batch; eager twin's error:\n{eager.error}"
+            detail = _both_raised(graph.error, eager.error)
         elif graph.error:
             detail = f"graph_raised: the graph twin raised, the eager twin did not:\n{graph.error}"
         else:

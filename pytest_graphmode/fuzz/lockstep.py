@@ -27,7 +27,6 @@ import dataclasses
 import random
 import traceback
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
@@ -304,6 +303,18 @@ class Lockstep:
             previous = first.batch
             step += 1
 
+    def _graph_step(self, batch: Batch, stress: Stress) -> Outcome:
+        """The graph twin's step under `stress`'s delay, preceded in the same scope by its
+        weight update when `stress` has one. Right before the step, after the harness's own
+        poisoning, marks and snapshots (which wait for the device): on cuda an update the step
+        does not wait for is then still in flight when the step reads the weights, and a loader
+        that refills a pinned staging buffer before its last copy out of it ran loads other
+        weights than the references, which load them undelayed."""
+        with stressors.delayed_step(self.backend, stress):
+            if stress.weight_seed is not None:
+                self.graph.update_weights(stress.weight_seed)
+            return step_outcome(self.graph, batch)
+
     def _rng(self, step: int) -> random.Random:
         return random.Random(self.seed * 1_000_003 + step)
 
@@ -312,16 +323,13 @@ class Lockstep:
     ) -> list[torch.Tensor]:
         if stress.weight_seed is not None:
             self.weight_seed = stress.weight_seed
-            # The graph twin last: a loader that frees the tensors its graphs read (and loads new
+            # The references only: the graph twin's update comes last, right before its step
+            # (`_graph_step`). A loader that frees the tensors its graphs read (and loads new
             # ones elsewhere) leaves them free with the old weights in them, where a reference
             # updated after it could allocate its own new weights, the same values, into that
             # memory on cuda and so give the stale graph the right weights by chance.
-            for twin in sorted(self._targets, key=lambda twin: twin is self.graph):
-                # The graph twin's update is delayed as its steps are: on cuda, a weight loader
-                # that refills a pinned staging buffer before its last copy out of it ran gives
-                # that twin other weights than the references, which load them undelayed.
-                delayed = twin is self.graph
-                with stressors.delayed_step(self.backend, stress) if delayed else nullcontext():
+            for twin in self._targets:
+                if twin is not self.graph:
                     twin.update_weights(stress.weight_seed)
         blocks, slots = stressors.live_indices(self.spec, [b for b in (previous, batch) if b])
         stressors.poison_static_buffers(
@@ -357,8 +365,7 @@ class Lockstep:
         self, step: int, batch: Batch, kept: list[Kept], stress: Stress
     ) -> tuple[list[Violation], list[Kept]]:
         graph_before, eager_before = snapshot(self.graph.state()), snapshot(self.eager.state())
-        with stressors.delayed_step(self.backend, stress):
-            graph = step_outcome(self.graph, batch)
+        graph = self._graph_step(batch, stress)
         refs = self._reference_steps(batch)
         eager, clean = refs.eager, refs.clean
         self._count(batch, graph.result)
@@ -401,12 +408,15 @@ class Lockstep:
 
     def _reference_steps(self, batch: Batch) -> _References:
         """`batch` on the eager and clean twins, and its sampled requests on the company twin
-        (the sub-batch and its outcome, None without one). The company twin's slots to write
-        are marked before its step and read right after it (`kv_writes_land`): its requests
-        live in other rows and blocks than on the other twins, so a table gone wrong with that
-        history shows there first."""
+        (the sub-batch and its outcome, None without one; `sampling_check.company_batch`). The
+        company twin's slots to write are marked before its step and read right after it
+        (`kv_writes_land`): its requests live in other rows and blocks than on the other twins,
+        so a table gone wrong with that history shows there first."""
         eager, clean = step_outcome(self.eager, batch), step_outcome(self.clean, batch)
-        sub = sampling_check.company_batch(batch, self._renaming) if self.company else None
+        sub = None
+        if self.company is not None:
+            invariant = self.spec.batch_invariant
+            sub = sampling_check.company_batch(batch, self._renaming, batch_invariant=invariant)
         if self.company is None or sub is None:
             return _References(eager, clean, None, None, eager.result)
         slots = mark_slots_to_write([self.company.state()], self.spec, [sub])
@@ -490,8 +500,7 @@ class Lockstep:
         clean_after = {} if ended else snapshot(self.clean.state())
 
         held_before = self._graph_result
-        with stressors.delayed_step(self.backend, _pair_delay(first.stress, second.stress)):
-            graph0 = step_outcome(self.graph, first.batch)
+        graph0 = self._graph_step(first.batch, _pair_delay(first.stress, second.stress))
         graph1: Outcome | None = None
         if ref1 is not None and graph0.error is None:
             stressors.delay(self.backend, second.stress)

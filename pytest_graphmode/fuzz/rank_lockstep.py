@@ -92,7 +92,7 @@ class RankLockstep(Lockstep):
                 if event.requests:
                     violations, kept = self._check_step(step, event, kept, pending)
                 else:
-                    violations = self._check_idle(event)
+                    violations = self._check_idle(event, pending)
             held.clear()
             pending, fault = Stress(), RankFault()
             finding = self._judge(step, event, violations)
@@ -123,11 +123,11 @@ class RankLockstep(Lockstep):
             for member in self._members:
                 member.force_eager = False
 
-    def _check_idle(self, batch: Batch) -> list[Violation]:
+    def _check_idle(self, batch: Batch, stress: Stress) -> list[Violation]:
         """An idle rank runs the agreed shape on a dummy batch: empty results, and no KV write
         outside the null block."""
         before = snapshot(self.graph.state())
-        graph = step_outcome(self.graph, batch)
+        graph = self._graph_step(batch, stress)
         clean = step_outcome(self.clean, batch)
         self._count(batch, graph.result)
         for twin, outcome in (("graph", graph), ("clean", clean)):

@@ -10,7 +10,10 @@ metamorphic, comparing runs in which only the company of a request differs:
   KV blocks renamed by a permutation of the blocks fixed for the example (`BlockRenaming`). A
   request's KV depends only on its own tokens, not on where it is stored, so the company twin
   computes the same logits for it; this check demands the same sampled token wherever those
-  logits agree with the eager twin's as closely.
+  logits agree with the eager twin's as closely. A runner whose logits depend on the rest of the
+  batch by design (`TargetSpec.batch_invariant` False: capacity-limited expert routing, a norm
+  over the batch) cannot be run in other company: its company twin runs the whole batch in its
+  order, and only KV placement is varied.
 A seed or counter baked in at capture, noise indexed by row, by KV slot or drawn per batch, or
 padding rows that consume a request's random stream all make tokens differ while the logits agree;
 a read of KV slots a request never wrote makes its logits differ. Gumbel-max
@@ -55,13 +58,21 @@ class BlockRenaming:
         return tuple(self.new_name[b] for b in block_ids)
 
 
-def company_batch(batch: Batch, renaming: BlockRenaming | None = None) -> Batch | None:
+def company_batch(
+    batch: Batch, renaming: BlockRenaming | None = None, *, batch_invariant: bool = True
+) -> Batch | None:
     """The sub-batch the company twin runs: sampled requests, reversed, their blocks renamed by
-    `renaming`; None if there are none."""
-    sampled = tuple(r for r in reversed(batch.requests) if r.seed is not None)
+    `renaming`; None if there are none. For a runner whose logits depend on the batch
+    (`TargetSpec.batch_invariant` False), the whole batch in its order, renamed, at every step
+    (its greedy requests' caches must be there for the steps that sample): only the KV placement
+    differs then."""
+    if batch_invariant:
+        chosen = tuple(r for r in reversed(batch.requests) if r.seed is not None)
+    else:
+        chosen = batch.requests
     if renaming is not None:
-        sampled = tuple(dataclasses.replace(r, block_ids=renaming(r.block_ids)) for r in sampled)
-    return Batch(sampled) if sampled else None
+        chosen = tuple(dataclasses.replace(r, block_ids=renaming(r.block_ids)) for r in chosen)
+    return Batch(chosen) if chosen else None
 
 
 def sampling_independent(
@@ -103,12 +114,18 @@ def sampling_independent(
                     ),
                 )
             ]
-        if gap <= SAMPLED_AGREEMENT * request.temperature and tokens[row] != reference[other]:
+        if request.seed is None:  # only a batch-dependent runner's company twin runs these
+            top2 = theirs[other].topk(min(2, theirs.shape[-1])).values
+            decidable = bool(top2[0] - top2[-1] > 2 * tol[other]) or theirs.shape[-1] == 1
+            what = "greedy token"
+        else:
+            decidable = gap <= SAMPLED_AGREEMENT * request.temperature
+            what = f"sampled token (seed {request.seed})"
+        if decidable and tokens[row] != reference[other]:
             return [
                 Violation(
                     SAMPLING_INDEPENDENT,
-                    f"sampled token (seed {request.seed}) depends on batch "
-                    f"company, bucket, padding or KV placement {where}",
+                    f"{what} depends on batch company, bucket, padding or KV placement {where}",
                     req_id=request.req_id,
                     row=row,
                     expected=str(reference[other]),

@@ -56,9 +56,9 @@ def test_the_first_example_is_the_simplest_pipelined_pair_and_one_of_the_example
     assert stats.examples == len(seen) == 3
     assert [type(e) for e in seen[0]] == [Batch, Batch, Stress, Batch, Batch, Stress, Batch]
     # delayed: on cuda the pair's first step is still in flight when the second is prepared,
-    # its copies late in the first pair and its replays late in the second
+    # its copies late in the first pair and its computation late in the second
     assert seen[0][2] == Stress(pipelined=True, delay_cycles=DELAY_CYCLES, late="copies")
-    assert seen[0][5] == Stress(pipelined=True, delay_cycles=DELAY_CYCLES, late="replays")
+    assert seen[0][5] == Stress(pipelined=True, delay_cycles=DELAY_CYCLES, late="compute")
     assert stats.pipelined_steps >= 4
 
 

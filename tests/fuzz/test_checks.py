@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from pytest_graphmode.contract import AddressView, Batch, Request, StepResult, TargetSpec
@@ -170,10 +171,52 @@ def test_an_unchanged_kept_result_passes():
     assert checks.results_stay_valid(kept, (kept.logits.clone(), kept.next_tokens.clone()), 0) == []
 
 
+@pytest.mark.parametrize(
+    ("graph_error", "shown"),
+    [
+        ("Traceback\n  table[pos]\nIndexError: index 23 is out of bounds", ["eager"]),
+        ("Traceback\n  graph.replay()\nRuntimeError: capture invalidated", ["eager", "graph"]),
+    ],
+)
+def test_both_twins_raising_shows_the_graph_twins_error_where_it_differs(graph_error, shown):
+    eager_error = "Traceback\n  cos[pos]\nIndexError: index 23 is out of bounds"
+    [v] = checks.replay_matches_eager(
+        BATCH, Outcome(None, graph_error), Outcome(None, eager_error), SPEC
+    )
+    assert v.detail.startswith("both twins raised")
+    assert ("cos[pos]" in v.detail, "graph.replay()" in v.detail) == (
+        "eager" in shown,
+        "graph" in shown,
+    )
+
+
 def test_company_batch_holds_sampled_requests_reversed():
     two = Batch((*BATCH.requests, Request(9, (3,), 0, (0,), seed=1)))
     assert [r.req_id for r in sampling_check.company_batch(two).requests] == [9, 8]
     assert sampling_check.company_batch(Batch(BATCH.requests[:1])) is None
+
+
+def test_company_batch_of_a_batch_dependent_runner_is_the_whole_batch_in_order_renamed():
+    # Its logits may depend on the company and order, so only the KV placement may differ; and it
+    # runs every step, greedy ones too, so the greedy requests' caches are there when one samples.
+    renaming = sampling_check.BlockRenaming((0, 2, 3, 1))
+    sub = sampling_check.company_batch(BATCH, renaming, batch_invariant=False)
+    assert [(r.req_id, r.block_ids) for r in sub.requests] == [(7, (3, 1)), (8, (2,))]
+    greedy = Batch(BATCH.requests[:1])
+    assert sampling_check.company_batch(greedy, batch_invariant=False) == greedy
+
+
+@pytest.mark.parametrize(
+    ("logits", "flagged"), [(GOOD, True), ([[1.0, 1.0, 0.0, 0.0], GOOD[1]], False)]
+)
+def test_a_greedy_request_on_the_company_twin_is_judged_by_its_argmax(logits, flagged):
+    # Row 0 is greedy: a clear argmax must not move with the KV placement; a tie decides nothing.
+    whole = sampling_check.company_batch(BATCH, batch_invariant=False)
+    company = Outcome(result(logits, tokens=(3, 1)))
+    eager = Outcome(result(logits))
+    found = sampling_check.sampling_independent(whole, company, BATCH, eager, SPEC)
+    assert [(v.req_id, v.expected, v.actual) for v in found] == ([(7, "0", "3")] if flagged else [])
+    assert all(v.detail.startswith("greedy token depends") for v in found)
 
 
 def test_block_renaming_is_a_permutation_that_keeps_the_null_block():

@@ -26,7 +26,7 @@ from pytest_graphmode.strategies import stream_delays, stressors
 from pytest_graphmode.strategies.plans import Stress
 from pytest_graphmode.strategies.stream_delays import (
     async_copy_device,
-    delayed_replays,
+    delayed_compute,
     delayed_streams,
 )
 from tests.fuzz.toy import ToyTarget
@@ -194,37 +194,42 @@ def test_a_delayed_cuda_step_delays_every_stream():
     assert vars(torch.cuda.Event)["record"] is record
 
 
-def test_a_cuda_step_delayed_late_replays_delays_its_replays_and_not_its_copies():
+def test_a_cuda_step_delayed_late_compute_delays_its_kernels_and_not_its_copies(sleeps):
     record, replay = vars(torch.cuda.Event)["record"], vars(torch.cuda.CUDAGraph)["replay"]
     depth = len(_get_current_dispatch_mode_stack())
-    stress = Stress(delay_cycles=1000, late="replays")
+    stress = Stress(delay_cycles=1000, late="compute")
     with stressors.delayed_step(_Backend("cuda"), stress):
+        assert sleeps == [(None, 1000)]  # the current stream: the eager kernels queue after it
         assert vars(torch.cuda.Event)["record"] is record
         assert len(_get_current_dispatch_mode_stack()) == depth  # no mode to delay copies
         assert torch.cuda.CUDAGraph.replay is not replay
     assert vars(torch.cuda.CUDAGraph)["replay"] is replay
 
 
-def test_a_replay_in_the_scope_sleeps_on_the_current_stream_first(sleeps, monkeypatch):
+def test_late_compute_sleeps_on_the_current_stream_on_entry_and_before_each_replay(
+    sleeps, monkeypatch
+):
     calls: list[Any] = []
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: calls.append(graph))
-    with delayed_replays(13):
+    with delayed_compute(13):
+        assert sleeps == [(None, 13)]  # None: the current stream
         torch.cuda.CUDAGraph.replay("graph")
     torch.cuda.CUDAGraph.replay("after the scope")
-    assert sleeps == [(None, 13)]  # None: the current stream, the one the graph replays on
+    # The second on the stream the graph replays on, the current one, after any host wait
+    assert sleeps == [(None, 13), (None, 13)]
     assert calls == ["graph", "after the scope"]
 
 
-def test_the_replay_scope_restores_torch_exactly_when_the_step_raises():
+def test_the_compute_scope_restores_torch_exactly_when_the_step_raises(sleeps):
     replay = vars(torch.cuda.CUDAGraph)["replay"]
-    with pytest.raises(KeyError), delayed_replays(1):
+    with pytest.raises(KeyError), delayed_compute(1):
         assert torch.cuda.CUDAGraph.replay is not replay
         raise KeyError("the runner failed")
     assert vars(torch.cuda.CUDAGraph)["replay"] is replay
 
 
-def test_zero_cycles_of_late_replays_is_refused():
-    with pytest.raises(ValueError, match="cycles must be >= 1"), delayed_replays(0):
+def test_zero_cycles_of_late_compute_is_refused(sleeps):
+    with pytest.raises(ValueError, match="cycles must be >= 1"), delayed_compute(0):
         pass
 
 
@@ -233,11 +238,10 @@ def test_a_stress_names_what_lands_late():
         Stress(delay_cycles=1, late="kernels")  # type: ignore[arg-type]
 
 
-def _scopes_of_steps(monkeypatch, events) -> list[tuple[int, Stress | None]]:
-    """(twin number, the delay scope open during its step) for every twin step `events` run."""
+def _open_scopes(monkeypatch) -> list[Stress]:
+    """The delay scopes open at each moment, innermost last; `stressors.delayed_step` records
+    its stress there instead of delaying anything."""
     open_scopes: list[Stress] = []
-    steps: list[tuple[int, Stress | None]] = []
-    made: list[ToyTarget] = []
 
     @contextmanager
     def scope(backend: Any, stress: Stress) -> Any:
@@ -247,18 +251,44 @@ def _scopes_of_steps(monkeypatch, events) -> list[tuple[int, Stress | None]]:
         finally:
             open_scopes.pop()
 
+    monkeypatch.setattr(stressors, "delayed_step", scope)
+    return open_scopes
+
+
+def _calls(monkeypatch, events) -> list[tuple[str, int, Stress | None]]:
+    """(call, twin number, the delay scope open) for every `step`, `update_weights` and `state`
+    call on a twin while `events` replay."""
+    open_scopes = _open_scopes(monkeypatch)
+    calls: list[tuple[str, int, Stress | None]] = []
+    made: list[ToyTarget] = []
+
     class Witness(ToyTarget):
+        def _note(self, what: str) -> None:
+            calls.append((what, made.index(self), open_scopes[-1] if open_scopes else None))
+
         def step(self, batch: Batch) -> Any:
-            steps.append((made.index(self), open_scopes[-1] if open_scopes else None))
+            self._note("step")
             return super().step(batch)
+
+        def update_weights(self, seed: int) -> None:
+            self._note("update")
+            super().update_weights(seed)
+
+        def state(self) -> Any:
+            self._note("state")
+            return super().state()
 
     def factory(mode: Any, *, seed: int, backend: str) -> ToyTarget:
         made.append(Witness(mode, seed=seed, backend=backend))
         return made[-1]
 
-    monkeypatch.setattr(stressors, "delayed_step", scope)
     replay(events, factory=factory, backend="sim")
-    return steps
+    return calls
+
+
+def _scopes_of_steps(monkeypatch, events) -> list[tuple[int, Stress | None]]:
+    """(twin number, the delay scope open during its step) for every twin step `events` run."""
+    return [(twin, scope) for what, twin, scope in _calls(monkeypatch, events) if what == "step"]
 
 
 def test_only_the_graph_twins_step_runs_in_the_delay_scope(monkeypatch):
@@ -270,9 +300,9 @@ def test_only_the_graph_twins_step_runs_in_the_delay_scope(monkeypatch):
     assert all(scope is None for twin, scope in steps if twin != 0)
 
 
-@pytest.mark.parametrize("late", ["copies", "replays"])
+@pytest.mark.parametrize("late", ["copies", "compute"])
 def test_both_steps_of_a_delayed_pair_make_the_same_work_late(monkeypatch, late):
-    # With late replays the first step's replay is what the second step's upload must not
+    # With late compute the first step's replay is what the second step's upload must not
     # overtake: a pair whose first step made its copies late instead would hide that race.
     pair = Stress(pipelined=True, delay_cycles=1000, late=late)
     prefill = Batch((Request(0, (1, 2), 0, (1,)),))
@@ -316,3 +346,17 @@ def test_the_delay_mode_imports_no_compiler_stack_and_is_guarded_once_one_is_imp
     imported, first, guarded, then = json.loads(done.stdout.splitlines()[-1])
     assert not imported and first == [2.0] * 3
     assert guarded and then == [3.0] * 3
+
+
+def test_the_graph_twins_weight_update_runs_right_before_its_step_in_its_scope(monkeypatch):
+    # Between the two the harness reads nothing of the twin (a snapshot waits for the device on
+    # cuda): a load the step does not wait for must still be in flight when the step reads.
+    update = Stress(weight_seed=3, delay_cycles=1000)
+    prefill, decode = Batch((Request(0, (1, 2), 0, (1,)),)), Batch((Request(0, (3,), 2, (1,)),))
+    calls = _calls(monkeypatch, [prefill, update, decode])
+    graph = [(what, scope) for what, twin, scope in calls if twin == 0 and what != "state"]
+    assert graph[-2:] == [("update", update), ("step", update)]
+    at = calls.index(("update", 0, update))
+    assert calls[at + 1] == ("step", 0, update)  # nothing read of any twin in between
+    references = [(twin, scope) for what, twin, scope in calls[:at] if what == "update"]
+    assert {twin for twin, _ in references} >= {1, 2} and all(s is None for _, s in references)

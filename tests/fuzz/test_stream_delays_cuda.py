@@ -14,7 +14,7 @@ import torch
 
 from pytest_graphmode.runtime import backends
 from pytest_graphmode.runtime.backends import Backend
-from pytest_graphmode.strategies.stream_delays import delayed_replays, delayed_streams
+from pytest_graphmode.strategies.stream_delays import delayed_compute, delayed_streams
 
 pytestmark = pytest.mark.graphmode_cuda
 
@@ -124,13 +124,18 @@ def _doubling_graph(be):
     return graph, static, out
 
 
+@pytest.mark.parametrize("work", ["replay", "eager"])
 @pytest.mark.parametrize("waits", [False, True], ids=["the-bug", "waiting"])
-def test_an_upload_not_waiting_for_the_replay_before_it_overwrites_that_replays_inputs(be, waits):
+def test_an_upload_not_waiting_for_the_work_before_it_overwrites_that_works_inputs(be, work, waits):
+    # The step before reads `static`: a replay, or an eager fallback sharing the graph's buffers.
     graph, static, out = _doubling_graph(be)
     staging, _ = _staged(be, 3.0)
     copy_stream = be.Stream()
-    with delayed_replays(CYCLES):
-        graph.replay()  # the step before, still to read `static`
+    with delayed_compute(CYCLES):
+        if work == "replay":
+            graph.replay()
+        else:
+            out = static * 2
         if waits:
             copy_stream.wait_stream(be.current_stream())
         with be.stream(copy_stream):

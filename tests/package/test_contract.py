@@ -1,5 +1,5 @@
 """The contract's spec and batch legality: how many adapters a target has, and which ids a batch
-may name."""
+may name; whether its logits may depend on the batch."""
 
 from __future__ import annotations
 
@@ -62,3 +62,14 @@ def test_a_batch_naming_an_adapter_past_the_count_is_refused() -> None:
     assert batch_problems(_on_adapter(3), SPEC) == [
         "request 0 (row 0): adapter=3 outside [0, num_adapters=2]"
     ]
+
+
+def test_a_spec_is_batch_invariant_unless_it_says_otherwise() -> None:
+    assert SPEC.batch_invariant is True
+    assert dataclasses.replace(SPEC, batch_invariant=False).batch_invariant is False
+
+
+def test_a_batch_invariance_that_is_not_a_bool_is_refused() -> None:
+    # "no" is truthy: taken as given it would turn the company twin's check on silently.
+    with pytest.raises(ValueError, match="batch_invariant='no' must be True or False"):
+        dataclasses.replace(SPEC, batch_invariant="no")
