@@ -34,6 +34,7 @@ CAUGHT_BY = {
     "moe_padding_capacity": "replay_matches_eager",  # padding rows use up experts' capacity
     "rope_table_one_short": "replay_matches_eager",  # the longest context past the rotary table
     "request_state_not_evicted": "sampling_independent",  # a reused id keeps the last one's flags
+    "spec_len_baked": "replay_matches_eager",  # the capture's query length per row baked in
 }
 # The bugs no leading example is built for, and the examples a campaign takes to find them on sim
 # (seeds 0-2 took 17, 33 and 33): padding rows must crowd an expert that real tokens fill.
