@@ -35,6 +35,7 @@ CAUGHT_BY = {
     "rope_table_one_short": "replay_matches_eager",  # the longest context past the rotary table
     "request_state_not_evicted": "sampling_independent",  # a reused id keeps the last one's flags
     "spec_len_baked": "replay_matches_eager",  # the capture's query length per row baked in
+    "metadata_planned_by_shape": "kv_writes_land",  # metadata re-planned only for a new shape
 }
 # The bugs no leading example is built for, and the examples a campaign takes to find them on sim
 # (seeds 0-2 took 17, 33 and 33): padding rows must crowd an expert that real tokens fill.
