@@ -37,6 +37,11 @@ CAUGHT_BY = {
     "spec_len_baked": "replay_matches_eager",  # the capture's query length per row baked in
     "metadata_planned_by_shape": "kv_writes_land",  # metadata re-planned only for a new shape
 }
+# Runners whose bug the campaign does not yet find within a gate's examples, tested as correct
+# runners only. Advancing positions on the device when the ids repeat needs a decode of the same
+# rows right after a speculative step that accepted fewer drafts than it ran: no leading example
+# holds one, and 100 drawn examples held one on one seed of three (seeds 0-2).
+MISSED = ("positions_advanced_on_device",)
 # The bugs no leading example is built for, and the examples a campaign takes to find them on sim
 # (seeds 0-2 took 17, 33 and 33): padding rows must crowd an expert that real tokens fill.
 LATER = {"moe_padding_capacity": 60}
@@ -78,7 +83,7 @@ def _passes(runner: str, backend: str) -> None:
     assert stats.paths["full"] > 0  # it replays graphs: the campaign tested graph mode
 
 
-@pytest.mark.parametrize("runner", sorted(CAUGHT_BY))
+@pytest.mark.parametrize("runner", sorted([*CAUGHT_BY, *MISSED]))
 def test_the_correct_runner_passes_the_harness_on_sim(runner: str) -> None:
     _passes(runner, "sim")
 
@@ -91,7 +96,7 @@ def test_the_bug_is_caught_on_sim_within_the_leading_examples_or_its_budget(runn
 
 
 @pytest.mark.graphmode_cuda
-@pytest.mark.parametrize("runner", sorted(ON_CUDA))
+@pytest.mark.parametrize("runner", sorted([*ON_CUDA, *MISSED]))
 def test_the_correct_runner_passes_the_harness_on_a_gpu(runner: str) -> None:
     _need_a_gpu()
     _passes(runner, "cuda")
