@@ -14,7 +14,12 @@ import torch
 
 from pytest_graphmode.contract import Batch, StepResult, TargetSpec, slot_major
 from pytest_graphmode.fuzz.kv_checks import State, row_mask, valid_slots
-from pytest_graphmode.fuzz.tolerance import SAMPLED_AGREEMENT, row_tolerance, same_bits
+from pytest_graphmode.fuzz.tolerance import (
+    argmax_decided,
+    row_tolerance,
+    same_bits,
+    sample_decided,
+)
 from pytest_graphmode.fuzz.violation import Violation, differences
 
 REPLAY_MATCHES_EAGER = "replay_matches_eager"
@@ -115,8 +120,7 @@ def _token_violations(
     tol: torch.Tensor,
 ) -> list[Violation]:
     gt, et = graph.next_tokens.cpu().tolist(), eager.next_tokens.cpu().tolist()
-    top2 = e.float().topk(min(2, e.shape[-1]), dim=-1).values
-    margin = top2[:, 0] - top2[:, -1]
+    decided = argmax_decided(e, tol)
     gap = (g.float() - e.float()).abs().amax(dim=-1)
     for row, request in enumerate(batch.requests):
         if not 0 <= gt[row] < e.shape[-1]:
@@ -131,10 +135,10 @@ def _token_violations(
                 )
             ]
         if request.seed is None:
-            decidable = e.shape[-1] == 1 or bool(margin[row] > 2 * tol[row])
+            decidable = bool(decided[row])
             why = "greedy token differs although eager's top-2 margin exceeds the tolerance"
         else:
-            decidable = bool(gap[row] <= SAMPLED_AGREEMENT * request.temperature)
+            decidable = sample_decided(float(gap[row]), request.temperature)
             why = f"sampled token (seed {request.seed}) differs although the logits agree"
         if decidable and gt[row] != et[row]:
             return [_row_violation(name, why, batch, row, str(et[row]), str(gt[row]))]

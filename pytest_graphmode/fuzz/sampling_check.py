@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from pytest_graphmode.contract import Batch, TargetSpec
 from pytest_graphmode.fuzz.checks import Outcome
-from pytest_graphmode.fuzz.tolerance import SAMPLED_AGREEMENT, row_tolerance
+from pytest_graphmode.fuzz.tolerance import argmax_decided, row_tolerance, sample_decided
 from pytest_graphmode.fuzz.violation import Violation, differences
 
 SAMPLING_INDEPENDENT = "sampling_independent"
@@ -115,11 +115,10 @@ def sampling_independent(
                 )
             ]
         if request.seed is None:  # only a batch-dependent runner's company twin runs these
-            top2 = theirs[other].topk(min(2, theirs.shape[-1])).values
-            decidable = bool(top2[0] - top2[-1] > 2 * tol[other]) or theirs.shape[-1] == 1
+            decidable = bool(argmax_decided(theirs[other : other + 1], tol[other : other + 1]))
             what = "greedy token"
         else:
-            decidable = gap <= SAMPLED_AGREEMENT * request.temperature
+            decidable = sample_decided(gap, request.temperature)
             what = f"sampled token (seed {request.seed})"
         if decidable and tokens[row] != reference[other]:
             return [

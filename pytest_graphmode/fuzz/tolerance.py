@@ -31,6 +31,21 @@ def row_tolerance(reference: torch.Tensor) -> torch.Tensor:
     return rtol(reference.dtype) * scale.float()
 
 
+def argmax_decided(reference: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
+    """Per row of `[rows, vocab]` logits, whether its greedy token is decided within `tol`: the
+    top-2 margin exceeds twice the tolerance (or the vocabulary has one token)."""
+    if reference.shape[-1] == 1:
+        return torch.ones(reference.shape[0], dtype=torch.bool)
+    top2 = reference.float().topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]) > 2 * tol
+
+
+def sample_decided(gap: float, temperature: float) -> bool:
+    """Whether two runs of a sampled row whose logits differ by at most `gap` must draw the same
+    token (`SAMPLED_AGREEMENT`)."""
+    return gap <= SAMPLED_AGREEMENT * temperature
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Elementwise equality where NaN equals NaN (poisoned memory holds NaN on both sides)."""
     equal = a == b

@@ -76,6 +76,11 @@ def _factory(runner: str, name: str) -> TargetFactory:
     return getattr(module, name)  # type: ignore[no-any-return]
 
 
+def _budget(runner: str) -> int:
+    """The examples a campaign may take to find `runner`'s bug."""
+    return LATER.get(runner, LEADING)
+
+
 def _passes(runner: str, backend: str) -> None:
     factory = _factory(runner, "make_target")
     stats = run_campaign(factory, backend=backend, max_examples=2 * LEADING, max_steps=8, seed=0)
@@ -90,8 +95,7 @@ def test_the_correct_runner_passes_the_harness_on_sim(runner: str) -> None:
 
 @pytest.mark.parametrize("runner", sorted(CAUGHT_BY))
 def test_the_bug_is_caught_on_sim_within_the_leading_examples_or_its_budget(runner: str) -> None:
-    examples = LATER.get(runner, LEADING)
-    failure = failure_of(_factory(runner, "make_buggy_target"), "sim", examples=examples)
+    failure = failure_of(_factory(runner, "make_buggy_target"), "sim", examples=_budget(runner))
     assert_caught(failure, CAUGHT_BY[runner], at_start_up=False)
 
 
@@ -108,9 +112,13 @@ def test_the_bug_is_caught_on_a_gpu_within_the_leading_examples_or_its_budget(ru
     _need_a_gpu()
     factory = _factory(runner, "make_buggy_target")
     with pytest.raises(GraphmodeFailure) as caught:
-        examples = LATER.get(runner, LEADING)
         run_isolated(
-            factory, backend="cuda", max_examples=examples, max_steps=8, seed=0, shrink_seconds=0
+            factory,
+            backend="cuda",
+            max_examples=_budget(runner),
+            max_steps=8,
+            seed=0,
+            shrink_seconds=0,
         )
     assert_caught(caught.value.failure, ON_CUDA[runner], at_start_up=False)
 
