@@ -531,8 +531,16 @@ def first_stale_tail(spec: TargetSpec) -> list[StepPlan]:
     A value the runner stages once and uploads whole (a pinned host buffer, say) cannot be
     poisoned by the harness, so only a schedule shows it; a random one holds a larger batch then a
     padded speculative one on the same graph seldom, since row counts change at most steps.
-    Without speculative decoding the last step decodes one token a row. Empty where no capture
-    size leaves a padding row, or a step or the cache cannot hold the c requests."""
+    Without speculative decoding the last step decodes one token a row.
+
+    The speculative step accepts about half of its drafts (none of one), and the same rows then
+    decode one token each: each row's position and slot move back from where the drafts reached
+    to where the accepted ones end. A runner that carries positions from step to step (advancing
+    them on the device where a batch seems to continue the last, or rolling back only when every
+    draft is rejected) writes that token's KV at the wrong slot. A random schedule seldom
+    follows a partly rejected speculative step with a decode of exactly its rows.
+    Empty where no capture size leaves a padding row, or a step or the cache cannot hold the c
+    requests."""
     rows = _shrunk_rows(spec)
     if rows is None:
         return []
@@ -549,15 +557,18 @@ def first_stale_tail(spec: TargetSpec) -> list[StepPlan]:
     if not fits:
         return []
     gone = (-1,) * (c - live)  # the last request, then the new last one
-    last = (
-        StepPlan(kind="spec", rows=live, spec_k=drafts, accepted=drafts, finish=gone)
-        if drafts
-        else StepPlan(kind="decode", rows=live, finish=gone)
-    )
+    if not drafts:
+        return [
+            StepPlan(kind="prefill", rows=c, arrivals=(Arrival(prompt_len=1),) * c),
+            StepPlan(kind="decode", rows=c),
+            StepPlan(kind="decode", rows=live, finish=gone),
+        ]
+    # Fewer positions than the drafts reached: a rejected draft's are taken again by the decode.
     return [
         StepPlan(kind="prefill", rows=c, arrivals=(Arrival(prompt_len=1),) * c),
         StepPlan(kind="decode", rows=c),
-        last,
+        StepPlan(kind="spec", rows=live, spec_k=drafts, accepted=drafts // 2, finish=gone),
+        StepPlan(kind="decode", rows=live),
     ]
 
 

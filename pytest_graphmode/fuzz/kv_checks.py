@@ -37,15 +37,25 @@ def row_mask(equal: torch.Tensor) -> torch.Tensor:
 
 
 def _owner_text(block: int, batches: Sequence[Batch], spec: TargetSpec) -> str:
+    """Whose `block` is, in `batches`: one step's batch, or a pipelined pair's (first step first,
+    `_in_pair` says which step a request was in)."""
     if block == spec.null_block:
         return "the null block"
     if not any(batch.requests for batch in batches):
         return f"block {block}, before any request was sent"
-    for batch in reversed(batches):  # the latest owner first
-        for request in batch.requests:
+    for index in reversed(range(len(batches))):  # the latest owner first
+        for request in batches[index].requests:
             if block in request.block_ids:
-                return f"block {block}, owned by req {request.req_id}"
+                return f"block {block}, owned by req {request.req_id}{_in_pair(index, batches)}"
     return f"block {block}, owned by no request of this step (free, or a waiting request's)"
+
+
+def _in_pair(index: int, batches: Sequence[Batch]) -> str:
+    """' in the pair's first (second) step' for a pipelined pair's `batches[index]`: the report
+    names the pair's first step, and a request of the second is easily read as one of it."""
+    if len(batches) < 2:
+        return ""
+    return f" in the pair's {'first' if index == 0 else 'second'} step"
 
 
 def kv_writes_confined(
@@ -118,18 +128,19 @@ def unlanded(
     unwritten (none when it is empty)."""
     if not missing:
         return []
-    owners: dict[int, tuple[int, int]] = {}
-    for written in batches:
-        owners.update(written_slots(written, spec))
+    owners: dict[int, tuple[int, int, int]] = {}
+    for index, written in enumerate(batches):
+        for written_slot, (owner, at) in written_slots(written, spec).items():
+            owners[written_slot] = (owner, at, index)
     slot = missing[0]
-    req_id, position = owners[slot]
+    req_id, position, index = owners[slot]
     steps = "these two steps" if len(batches) > 1 else "the step"
     return [
         Violation(
             KV_WRITES_LAND,
             f"{twin} twin never wrote slot {slot} (block {slot // spec.block_size}), where req "
-            f"{req_id}'s position {position} belongs: {steps} stored that token's keys and "
-            f"values elsewhere ({len(missing)} such slot(s) in all)",
+            f"{req_id}'s position {position}{_in_pair(index, batches)} belongs: {steps} stored "
+            f"that token's keys and values elsewhere ({len(missing)} such slot(s) in all)",
             req_id=req_id,
             slot=slot,
             expected=f"req {req_id}'s keys and values for position {position}",

@@ -469,7 +469,7 @@ class Lockstep:
                     evidence.step,
                     evidence.batch,
                     events[: second.index + 1],
-                    pair=step,
+                    pair=(first.batch, second.batch),
                 )
         assert graph1 is not None and ref1 is not None  # a pair that ended early failed above
         self._graph_result = graph1.result
@@ -589,8 +589,10 @@ class Lockstep:
         step: int,
         batch: Batch,
         events: Sequence[Batch | Stress],
-        pair: int | None = None,
+        pair: tuple[Batch, Batch] | None = None,
     ) -> None:
+        """Raise the failure of `violation` at `step`; `pair`: the batches of the pipelined pair
+        `step` belongs to (`step` is the pair's first or second step), both described."""
         snippet = replay_snippet(
             self.replayed(events),
             factory=self._factory,
@@ -600,20 +602,24 @@ class Lockstep:
         where = f"seed {self.seed}"
         if self.examples > 1:
             where += f", example {self.examples} on twins made with seed {self.twin_seed}"
-        pipelined = (
-            []
-            if pair is None
-            else [
-                f"steps {pair} and {pair + 1} ran as a pipelined pair: step {pair + 1} was "
-                f"submitted to the graph twin before anything of step {pair} was read"
+        steps = [(step, batch)]
+        pipelined = []
+        if pair is not None:
+            start = step if batch is pair[0] else step - 1
+            steps = [(start, pair[0]), (start + 1, pair[1])]
+            pipelined = [
+                f"steps {start} and {start + 1} ran as a pipelined pair: step {start + 1} was "
+                f"submitted to the graph twin before anything of step {start} was read"
             ]
-        )
         message = "\n".join(
             [
                 f"graphmode check {violation.check!r} failed at step {step} ({where})",
                 violation.describe(),
-                f"step {step}: {batch.num_reqs} requests, {batch.num_tokens} tokens, phase "
-                f"{batch.phase}, query lengths {batch.query_lens}",
+                *(
+                    f"step {at}: {ran.num_reqs} requests, {ran.num_tokens} tokens, phase "
+                    f"{ran.phase}, query lengths {ran.query_lens}"
+                    for at, ran in steps
+                ),
                 *pipelined,
                 "replay the minimal schedule with:",
                 snippet,

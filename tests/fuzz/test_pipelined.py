@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pytest_graphmode.contract import Batch, Request, StepResult
 from pytest_graphmode.fuzz import GraphmodeFailure, replay
 from pytest_graphmode.fuzz.checks import RESULTS_STAY_VALID, results_disjoint
-from pytest_graphmode.fuzz.kv_checks import kv_writes_confined
+from pytest_graphmode.fuzz.kv_checks import kv_writes_confined, unlanded
 from pytest_graphmode.strategies.plans import StepPlan, Stress
 from pytest_graphmode.strategies.rank_schedules import rank_steps
 from pytest_graphmode.strategies.scheduler import compile_schedule
@@ -133,6 +133,35 @@ def test_kv_writes_of_a_pair_may_touch_either_steps_slots() -> None:
     after["kv"][3 * spec.block_size] = 1.0
     (violation,) = kv_writes_confined(second, before, after, spec, also=(first,))
     assert "these two steps do not write" in violation.detail
+
+
+def test_a_pairs_unwritten_slot_names_the_step_its_token_belongs_to() -> None:
+    spec = toy.SPEC
+    first = Batch((Request(1, (3,), 0, (1,)),))
+    second = Batch((Request(2, (4,), 0, (2,)),))
+    marked = torch.full((spec.num_slots, 2), 0.5)
+    after = {"kv": marked.clone()}
+    after["kv"][1 * spec.block_size] = 1.0  # the first step's token landed, the second's did not
+    (violation,) = unlanded((first, second), [2 * spec.block_size], spec, "graph")
+    assert "req 2's position 0 in the pair's second step belongs" in violation.detail
+    (violation,) = unlanded((first,), [1 * spec.block_size], spec, "graph")
+    assert "req 1's position 0 belongs: the step stored" in violation.detail
+    assert kv_writes_confined(first, {"kv": marked}, after, spec, also=(second,)) == []
+    stray = {"kv": marked.clone()}
+    stray["kv"][2 * spec.block_size + 1] = 1.0  # a slot of the second step's block, not its token's
+    (violation,) = kv_writes_confined(first, {"kv": marked}, stray, spec, also=(second,))
+    assert "owned by req 2 in the pair's second step" in violation.detail
+
+
+@pytest.mark.parametrize(("bug", "step"), [("padding_not_reset", 1), ("overlapping_views", 2)])
+def test_a_pairs_failure_describes_both_steps(bug: str, step: int) -> None:
+    """Steps 1 and 2 of `EVENTS` are a pair: its failure at either shows both steps' batches."""
+    with pytest.raises(GraphmodeFailure) as caught:
+        replay(EVENTS, factory=toy.factory([bug]), seed=3)
+    failure = caught.value.failure
+    assert failure.step == step
+    assert "steps 1 and 2 ran as a pipelined pair" in failure.message
+    assert "\nstep 1: " in failure.message and "\nstep 2: " in failure.message
 
 
 def test_a_block_handed_on_within_a_pair_keeps_what_the_first_step_reads() -> None:

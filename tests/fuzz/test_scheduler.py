@@ -314,7 +314,7 @@ WIDE = dataclasses.replace(SPEC, max_num_reqs=8, max_num_tokens=32, num_blocks=2
 
 @pytest.mark.parametrize(
     ("spec", "rows", "query_len"),
-    [(SPEC, (4, 4, 3), 4), (WIDE, (8, 8, 6), 4), (DECODE_ONLY, (4, 4, 3), 1)],
+    [(SPEC, (4, 4, 3, 3), 4), (WIDE, (8, 8, 6, 6), 4), (DECODE_ONLY, (4, 4, 3), 1)],
     ids=["one-padding-row", "two-padding-rows", "decode-only"],
 )
 def test_the_stale_tail_schedule_shrinks_a_batch_within_its_graph(spec, rows, query_len):
@@ -329,6 +329,19 @@ def test_the_stale_tail_schedule_shrinks_a_batch_within_its_graph(spec, rows, qu
     assert all(len(r.tokens) == query_len and r.context_len == 2 for r in shrunk.requests)
     # the first requests go on, the last ones finished
     assert [r.req_id for r in shrunk.requests] == [r.req_id for r in full.requests][: rows[2]]
+
+
+@pytest.mark.parametrize("spec", [SPEC, WIDE], ids=["one-padding-row", "two-padding-rows"])
+def test_the_stale_tail_schedule_decodes_the_rows_of_a_partly_rejected_speculative_step(spec):
+    events = compile_schedule(spec, schedules_module.first_stale_tail(spec), seed=0)
+    speculative, after = [e for e in events if isinstance(e, Batch)][2:]
+    drafts = len(speculative.requests[0].tokens) - 1
+    assert drafts >= 2  # some accepted, some rejected
+    assert [r.req_id for r in after.requests] == [r.req_id for r in speculative.requests]
+    for before, now in zip(speculative.requests, after.requests, strict=True):
+        assert len(now.tokens) == 1
+        # past the accepted drafts and the bonus token, short of where the drafts reached
+        assert now.context_len == before.context_len + drafts // 2 + 1 < before.seq_len
 
 
 @pytest.mark.parametrize(
