@@ -58,7 +58,16 @@ def target_spec(factory: TargetFactory, backend: str) -> TargetSpec:
     # Made as a campaign makes its twins: with the backend active (on sim, device tensors exist
     # only while it is).
     with backends.target_scope(backend):
-        probe = factory("eager", seed=0, backend=backend)
+        try:
+            probe = factory("eager", seed=0, backend=backend)
+        except Exception as error:
+            if is_device_fault(error) or is_out_of_device_memory(error):
+                raise  # the device's doing, not the runner's: reported as such
+            raise RuntimeError(
+                f"the factory raised making an eager target (mode='eager', seed=0, "
+                f"backend={backend!r}), whose spec a campaign draws its schedules from: a runner "
+                f"that cannot run eagerly cannot be compared with its eager twin"
+            ) from error
         try:
             return probe.spec
         finally:

@@ -44,13 +44,13 @@ def _shape_problem(batch: Batch, result: StepResult, spec: TargetSpec) -> str | 
     return None
 
 
-def _both_raised(graph_error: str, eager_error: str) -> str:
+def both_raised(graph_error: str, eager_error: str, when: str = "on a legal batch") -> str:
     """Both tracebacks, unless the graph twin's ends as the eager twin's does (the same
-    exception and message): then the eager twin's, said to be shared."""
+    exception and message): then the eager twin's, said to be shared. `when`: where they raised."""
     if _last_line(graph_error) == _last_line(eager_error):
-        return f"both twins raised the same error on a legal batch; eager twin's:\n{eager_error}"
+        return f"both twins raised the same error {when}; eager twin's:\n{eager_error}"
     return (
-        f"both twins raised on a legal batch; eager twin's error:\n{eager_error}\n"
+        f"both twins raised {when}; eager twin's error:\n{eager_error}\n"
         f"graph twin's error:\n{graph_error}"
     )
 
@@ -67,7 +67,7 @@ def replay_matches_eager(
     name = REPLAY_MATCHES_EAGER
     if graph.error or eager.error:
         if graph.error and eager.error:
-            detail = _both_raised(graph.error, eager.error)
+            detail = both_raised(graph.error, eager.error)
         elif graph.error:
             detail = f"graph_raised: the graph twin raised, the eager twin did not:\n{graph.error}"
         else:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from pytest_graphmode.contract import Batch, TargetSpec
 from pytest_graphmode.fuzz import kv_checks, race_check
+from pytest_graphmode.fuzz.checks import REPLAY_MATCHES_EAGER, both_raised
 from pytest_graphmode.fuzz.kv_checks import State
 from pytest_graphmode.fuzz.violation import Violation
 from pytest_graphmode.runtime.backends.race import Race
@@ -37,3 +38,20 @@ def made_twins_violations(
         if found:
             return found, name
     return [], ""
+
+
+def construction_raised(graph_error: str | None, eager_error: str | None) -> Violation:
+    """The violation of twins whose factory raised (at least one did: `graph_error`, the
+    traceback of the graph twin's construction, or `eager_error`): `replay_matches_eager`, as for a
+    step that raised, since graph mode then fails where eager mode works (most often a capture at
+    start-up that CUDA refuses), or the runner fails in both modes."""
+    if graph_error and eager_error:
+        detail = both_raised(graph_error, eager_error, "while they were made")
+    elif graph_error:
+        detail = (
+            "graph_raised: the graph twin's construction raised, the eager twin's did not (a "
+            f"capture or warm-up at start-up, for example):\n{graph_error}"
+        )
+    else:
+        detail = f"eager_raised: the eager twin's construction raised, the graph twin's did not:\n{eager_error}"
+    return Violation(REPLAY_MATCHES_EAGER, detail)

@@ -37,8 +37,15 @@ from pytest_graphmode.contract import Batch, GraphTarget, StepResult, TargetFact
 from pytest_graphmode.failure import MADE_TWINS, Failure, GraphmodeFailure
 from pytest_graphmode.fuzz import sampling_check
 from pytest_graphmode.fuzz.checks import Outcome
-from pytest_graphmode.fuzz.construction import made_twins_violations
-from pytest_graphmode.fuzz.registry import REGISTRY, Evidence, Kept, State
+from pytest_graphmode.fuzz.construction import construction_raised, made_twins_violations
+from pytest_graphmode.fuzz.registry import (
+    REGISTRY,
+    Evidence,
+    Kept,
+    State,
+    is_device_fault,
+    is_out_of_device_memory,
+)
 from pytest_graphmode.fuzz.snippet import replay_snippet
 from pytest_graphmode.fuzz.violation import Violation
 from pytest_graphmode.runtime.backends import Backend
@@ -157,8 +164,7 @@ class Lockstep:
         self._history: list[Event] = []  # the events of the examples run before this one
         self._saved: list[dict[str, torch.Tensor]] = []
         try:
-            self.graph = self._make("graph")
-            self.eager = self._make("eager")
+            self.graph, self.eager = self._make_pair()
             self.clean = self._make("graph")
             self.spec = self.graph.spec
             self.company = self._make("eager") if "sampling" in self.spec.features else None
@@ -220,6 +226,40 @@ class Lockstep:
             ]
         )
         failure = Failure(violations[0].check, MADE_TWINS, message, self.twin_seed, snippet)
+        raise GraphmodeFailure(failure, self.stats)
+
+    def _make_pair(self) -> tuple[GraphTarget, GraphTarget]:
+        """The graph and eager twins; a factory that raises for either is a failure before step 0
+        (`construction_raised`), with the snippet that makes them, not an error of the harness.
+        Both are tried, so that the report says whether graph mode alone fails."""
+        made: list[GraphTarget] = []
+        errors: list[str | None] = []
+        for mode in ("graph", "eager"):
+            try:
+                made.append(self._make(mode))
+                errors.append(None)
+            except Exception as error:
+                if is_device_fault(error) or is_out_of_device_memory(error):
+                    # Not the runner's graph mode: the context is lost (an isolated campaign's
+                    # parent reports it), or the device is full (the campaign ends with it).
+                    raise
+                errors.append(traceback.format_exc())
+        if not any(errors):
+            return made[0], made[1]
+        violation = construction_raised(errors[0], errors[1])
+        snippet = replay_snippet(
+            [], factory=self._factory, backend=self._backend_name, seed=self.twin_seed
+        )
+        message = "\n".join(
+            [
+                f"graphmode check {violation.check!r} failed before step 0, when the twins were "
+                f"made (seed {self.seed})",
+                violation.describe(),
+                "replay it (the twins are made, no step runs) with:",
+                snippet,
+            ]
+        )
+        failure = Failure(violation.check, MADE_TWINS, message, self.twin_seed, snippet)
         raise GraphmodeFailure(failure, self.stats)
 
     def _make(self, mode: Literal["graph", "eager"]) -> GraphTarget:

@@ -21,6 +21,7 @@ import dataclasses
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -58,6 +59,7 @@ from pytest_graphmode.strategies.rank_schedules import (
 )
 
 RankEvents = list[RankEvent | RankFault]
+PEER_DEATH_WAIT = 2.0  # seconds a rank's error waits for another rank's death to show
 DEFAULT_TIMEOUT = 120.0  # seconds without progress of any rank before the run counts as hung
 _STARTUP_SECONDS = 600.0  # importing torch and joining the group, on a loaded machine
 
@@ -167,22 +169,34 @@ class RankPool:
                         kind, *payload = conn.recv()
                     except EOFError:  # the process died before it could answer
                         self._procs[rank].join(5)
-                        code = self._procs[rank].exitcode
-                        self._abort(f"rank {rank} exited with code {code}", seed, events)
+                        self._abort(_exited(rank, self._procs[rank].exitcode), seed, events)
                     if kind == "error":
-                        self._abort_on_error(rank, payload[0])
+                        self._abort_on_error(rank, payload[0], seed, events)
                     store(rank, payload[0] if len(payload) == 1 else tuple(payload))
                     pending.discard(rank)
                 elif not self._procs[rank].is_alive():
-                    code = self._procs[rank].exitcode
-                    self._abort(f"rank {rank} exited with code {code}", seed, events)
+                    self._abort(_exited(rank, self._procs[rank].exitcode), seed, events)
             now = time.monotonic()
             if list(self._status) != seen:
                 seen, last_progress = list(self._status), now
             elif now - last_progress > timeout:
                 self._abort(f"no rank made progress for {timeout:g} s", seed, events)
 
-    def _abort_on_error(self, rank: int, text: str) -> None:
+    def _abort_on_error(
+        self, rank: int, text: str, seed: int | None, events: Sequence[RankEvents] | None
+    ) -> None:
+        """`rank` raised outside the target's steps. Where another rank's process died, that
+        is the cause: a collective with a dead peer raises in the survivors ("connection closed
+        by peer"), often before the parent sees the death, so the death is waited for a moment
+        and reported (`ranks_arrive`) before the survivor's error is taken for the harness's."""
+        deadline = time.monotonic() + PEER_DEATH_WAIT
+        while True:
+            dead = [r for r, p in enumerate(self._procs) if r != rank and not p.is_alive()]
+            if dead:
+                self._abort(_exited(dead[0], self._procs[dead[0]].exitcode), seed, events)
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
         self._kill()
         raise RuntimeError(f"rank {rank} failed outside the target's steps:\n{text}")
 
@@ -205,10 +219,18 @@ class RankPool:
             waiting = [r for r, s in enumerate(status) if s[1] == most]
             missing = [r for r, s in enumerate(status) if s[1] < most]
             awaited = status[waiting[0]][3]
+        name = COLLECTIVES[awaited] or "any collective"
+        if missing:
+            arrival = f"ranks {missing} did not arrive at {name}" + (
+                f", which ranks {waiting} entered" if waiting else ""
+            )
+        else:
+            # Every rank entered and none left: the calls differ (in size, kind or order), which
+            # gloo answers by ending a process and NCCL by hanging.
+            arrival = f"every rank entered {name} and it never completed: the ranks' calls differ"
         lines = [
             f"graphmode check {RANKS_ARRIVE!r} failed at step {step} (seed {seed}): {what}",
-            f"ranks {missing} did not arrive at {COLLECTIVES[awaited] or 'any collective'}"
-            + (f", which ranks {waiting} entered" if waiting else ""),
+            arrival,
             *(
                 f"  rank {r}: reached step {s[0]}, entered {s[1]} collectives, "
                 + (f"waiting in {COLLECTIVES[s[2]]}" if s[2] else "not in a collective")
@@ -225,6 +247,15 @@ class RankPool:
             )
             lines += ["replay the schedule with:", snippet]
         raise RankAbort(Failure(RANKS_ARRIVE, step, "\n".join(lines), seed, snippet))
+
+
+def _exited(rank: int, code: int | None) -> str:
+    """How a rank process ended: its exit code, and the signal that ended it where one did."""
+    text = f"rank {rank}'s process ended with exit code {code}"
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            text += f" ({signal.Signals(-code).name})"
+    return text
 
 
 def _rank_main(

@@ -8,7 +8,7 @@ import torch
 
 from pytest_graphmode.contract import TargetFactory
 from pytest_graphmode.failure import MADE_TWINS
-from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
+from pytest_graphmode.fuzz import GraphmodeFailure, replay, run_campaign
 from pytest_graphmode.runtime import backends
 from tests.fuzz import toy
 
@@ -92,3 +92,56 @@ def test_a_stream_race_at_construction_is_reported_before_step_0_on_sim() -> Non
     assert "failed before step 0, when the twins were made" in failure.message
     assert "a stream race while the twins were made" in failure.message
     assert "fill_" in failure.message
+
+
+class CaptureRefusedAtStartUp(toy.ToyTarget):
+    """Graph mode captures at construction something a capture refuses (as CUDA refuses work on a
+    stream outside the capture that allocates); `broken_in_both` raises in eager mode too."""
+
+    broken_in_both = False
+
+    def __init__(self, mode: str, *, seed: int, backend: str) -> None:
+        if mode == "graph" or self.broken_in_both:
+            raise RuntimeError(f"capture at start-up refused ({mode} twin)")
+        super().__init__(mode, seed=seed, backend=backend)
+
+
+class RefusedInBothModes(CaptureRefusedAtStartUp):
+    broken_in_both = True
+
+
+def capture_refused_at_start_up(mode: str, *, seed: int, backend: str) -> toy.ToyTarget:
+    return CaptureRefusedAtStartUp(mode, seed=seed, backend=backend)
+
+
+def refused_in_both_modes(mode: str, *, seed: int, backend: str) -> toy.ToyTarget:
+    return RefusedInBothModes(mode, seed=seed, backend=backend)
+
+
+def test_a_graph_twin_whose_construction_raises_is_a_failure_before_step_0() -> None:
+    failure = _failure_of(capture_refused_at_start_up).failure
+    assert (failure.check, failure.step) == ("replay_matches_eager", MADE_TWINS), failure.message
+    assert "failed before step 0, when the twins were made" in failure.message
+    assert "graph_raised: the graph twin's construction raised, the eager twin's did not" in (
+        failure.message
+    )
+    assert "capture at start-up refused (graph twin)" in failure.message
+    assert "shrinking skipped: the twins' construction failed" in failure.message
+    with pytest.raises(GraphmodeFailure) as replayed:
+        exec(failure.replay_snippet, {})
+    assert replayed.value.failure.check == "replay_matches_eager"
+
+
+def test_twins_that_both_raise_while_made_show_both_errors() -> None:
+    with pytest.raises(GraphmodeFailure) as caught:
+        replay([], factory=refused_in_both_modes, seed=0)
+    failure = caught.value.failure
+    assert (failure.check, failure.step) == ("replay_matches_eager", MADE_TWINS), failure.message
+    assert "both twins raised while they were made" in failure.message
+    assert "(graph twin)" in failure.message and "(eager twin)" in failure.message
+
+
+def test_a_campaign_of_a_factory_that_cannot_make_an_eager_target_says_so() -> None:
+    with pytest.raises(RuntimeError, match="the factory raised making an eager target") as caught:
+        run_campaign(refused_in_both_modes, max_examples=5, max_steps=3, seed=0)
+    assert "capture at start-up refused (eager twin)" in str(caught.value.__cause__)

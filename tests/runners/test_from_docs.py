@@ -12,6 +12,7 @@ import torch
 from pytest_graphmode.contract import TargetFactory
 from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.isolation import run_isolated
+from pytest_graphmode.fuzz.ranks import run_rank_campaign
 from tests.runners.caught import assert_caught, failure_of
 
 # runner -> the check that catches its bug on sim
@@ -41,7 +42,16 @@ CAUGHT_BY = {
     "state_slot_padding": "states_match",  # padding rows given a live request's recurrent state
     "tokens_downloaded_unawaited": "no_stream_races",  # pinned tokens read before the copy landed
     "adapter_slots_rebuilt": "replay_matches_eager",  # adapter slots rebuilt, not loaded in place
+    "side_stream_escapes_capture": "replay_matches_eager",  # a sampler stream never forked
+    "int32_view_made_once": "replay_matches_eager",  # int32 index copies made once, at capture
 }
+# Caught while the twins are made, before step 0: the capture at start-up is refused (the side
+# stream's work outside the capture allocates), on sim as on CUDA.
+AT_START_UP = {"side_stream_escapes_capture"}
+# Data-parallel runners, run on two ranks (gloo on sim): the check that catches the bug, and the
+# examples a campaign may take (seed 0 took 4).
+RANK_RUNNERS = {"dp_local_bucket": "ranks_arrive"}  # each rank pads to its own bucket
+RANK_BUDGET = 12
 # The bugs no leading example is built for, and the examples a campaign takes to find them on sim
 # (seeds 0-2 took 17, 33 and 33): padding rows must crowd an expert that real tokens fill.
 LATER = {"moe_padding_capacity": 60}
@@ -68,6 +78,8 @@ ON_CUDA = {
 }
 # An index past a table is an exception on sim and a device-side assert on a GPU.
 ON_CUDA["rope_table_one_short"] = ("replay_matches_eager", "no_device_fault")
+# A capture CUDA refuses raises a CUDA error, which the harness takes for a device fault.
+ON_CUDA["side_stream_escapes_capture"] = ("replay_matches_eager", "no_device_fault")
 # The padding row's update of a live request's state shows in the state after the step, or
 # (seed 2 on the H200) first in the padding rows' effect on what the step returns.
 ON_CUDA["state_slot_padding"] = ("states_match", "padding_inert")
@@ -99,7 +111,7 @@ def test_the_correct_runner_passes_the_harness_on_sim(runner: str) -> None:
 @pytest.mark.parametrize("runner", sorted(CAUGHT_BY))
 def test_the_bug_is_caught_on_sim_within_the_leading_examples_or_its_budget(runner: str) -> None:
     failure = failure_of(_factory(runner, "make_buggy_target"), "sim", examples=_budget(runner))
-    assert_caught(failure, CAUGHT_BY[runner], at_start_up=False)
+    assert_caught(failure, CAUGHT_BY[runner], at_start_up=runner in AT_START_UP)
 
 
 @pytest.mark.graphmode_cuda
@@ -123,9 +135,33 @@ def test_the_bug_is_caught_on_a_gpu_within_the_leading_examples_or_its_budget(ru
             seed=0,
             shrink_seconds=0,
         )
-    assert_caught(caught.value.failure, ON_CUDA[runner], at_start_up=False)
+    assert_caught(caught.value.failure, ON_CUDA[runner], at_start_up=runner in AT_START_UP)
 
 
 def _need_a_gpu() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("runner", sorted(RANK_RUNNERS))
+def test_the_correct_rank_runner_passes_two_ranks_on_sim(runner: str) -> None:
+    stats = run_rank_campaign(
+        _factory(runner, "make_target"), ranks=2, max_examples=LEADING, max_steps=8, seed=0
+    )
+    assert stats.failures == []
+    assert stats.checks_run["ranks_agree"] == stats.steps > 0
+    assert stats.paths["piecewise"] > 0  # it replays graphs on every rank
+
+
+@pytest.mark.parametrize("runner", sorted(RANK_RUNNERS))
+def test_the_rank_bug_is_caught_on_sim_within_its_budget(runner: str) -> None:
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_rank_campaign(
+            _factory(runner, "make_buggy_target"),
+            ranks=2,
+            max_examples=RANK_BUDGET,
+            max_steps=8,
+            seed=0,
+            shrink_seconds=0,
+        )
+    assert_caught(caught.value.failure, RANK_RUNNERS[runner], at_start_up=False)
