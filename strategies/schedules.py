@@ -321,13 +321,15 @@ def _first_then(parts: tuple[StepPlan, list[StepPlan]]) -> list[StepPlan]:
     return [parts[0], *parts[1]]
 
 
-def first_pair() -> list[StepPlan]:
-    """The simplest schedule whose pipelined pairs run two decode steps: one step that admits a
-    request (its prefill), then two decode steps of it, the second submitted before the first is
-    read, then two more the same way. A campaign runs it as its first example: Hypothesis's own
-    first example is its simplest draw, a single step, and a race between two steps (an event not
-    waited for, a staging buffer rewritten while the step before still reads it) needs two steps
-    that both replay a graph.
+def first_pair(spec: TargetSpec) -> list[StepPlan]:
+    """The simplest schedule whose pipelined pairs run an eager step then a graph step, and two
+    decode steps: a request is admitted with a two-token prompt (one token without the "prefill"
+    feature) and prefilled, its first decode step submitted before the prefill is read; then two
+    more decode steps the same way, twice. A campaign runs it as its first example: Hypothesis's
+    own first example is its simplest draw, a single step, and a race between two steps (an event
+    not waited for, a staging buffer rewritten while the step before still reads it) needs two
+    steps that both run on the device, the one before mostly eager (a prefill: most runners graph
+    decode steps only) or a graph replay.
 
     It is not what `schedules` draws first because shrinking moves towards the simplest draw: were
     a pair the simplest, every shrunk schedule would keep one, and a bug of one step would be
@@ -335,11 +337,12 @@ def first_pair() -> list[StepPlan]:
 
     The pairs are delayed (on cuda, `stress.delay_cycles`; nothing changes on sim), so that on the
     GPU the first step is still in flight when the second is prepared, as the race needs: in the
-    first pair its copies and event records land late (a replay that does not wait for its
+    first two pairs its copies and event records land late (a replay that does not wait for its
     upload reads the inputs before they land, a host that rewrites pinned staging too early
-    changes what is still to be copied), in the second its computation does, eager kernels and
-    graph replays (an upload that does not wait for the work before it overwrites the inputs that
-    work is still to read)."""
+    changes what is still to be copied: after an eager step too, where a runner orders the
+    staging of its eager steps otherwise than its replays'), in the last its computation does,
+    eager kernels and graph replays (an upload that does not wait for the work before it
+    overwrites the inputs that work is still to read)."""
     single = StepPlan(kind="decode", rows=1)
     pairs = [
         dataclasses.replace(
@@ -347,7 +350,9 @@ def first_pair() -> list[StepPlan]:
         )
         for late in LATE
     ]
-    return [single, single, pairs[0], single, pairs[1]]
+    prompt = 2 if "prefill" in spec.features else 1
+    opening = StepPlan(kind="prefill", rows=1, arrivals=(Arrival(prompt_len=prompt),))
+    return [opening, pairs[0], single, pairs[0], single, pairs[1]]
 
 
 def first_phase_change(spec: TargetSpec) -> list[StepPlan]:

@@ -142,24 +142,25 @@ def run_campaign(
     shrunk. `shrink_seconds` bounds the shrinking (None: Hypothesis shrinks until done; 0: the
     failure is reported as found). `on_example(seed, events)` is called before each example runs.
     `pipelined=False` leaves pipelined pairs out of the schedules (docs/contract.md): every step
-    then runs in lockstep, each read before the next is sent; else the campaign's first six
-    examples are fixed schedules, counted among its examples: the simplest pipelined pair
-    (`first_pair`), then a graph replay paired with an eager prefill, a weight update before
-    replays, the longest context and a speculative step (`first_phase_change`), then a graph
-    captured with a padding row replaying a full batch and a padded one (`first_partial_bucket`),
-    then a request leaving the first row while a later one goes on to start a new block and
-    sample (`first_front_departure`), then a batch shrinking within its graph as its queries
-    grow, its padding rows following a larger batch's (`first_stale_tail`), then three requests
-    alone on one graph in turn, each with other sampling values and adapter, a new request listed
-    before a continuing one, and short then long queries on one padded size (`first_handover`).
-    `seconds` is a time budget: once that many seconds have passed since the campaign started, no
-    new example starts and the campaign ends as passed (a failure found before is shrunk as always, within
-    `shrink_seconds`); `max_examples` still caps the count. `cpu_threads`: torch's intra-op
-    CPU threads while the campaign runs (None: as they are; `campaign_process.torch_cpu_threads`
-    says why 1). `stop`, asked before each example while nothing has failed, ends the campaign as
-    passed when true (another process found a failure: `helpers.run_with_helpers`). The device
-    running out of memory outside a step (the twins made, a state restored) before anything failed
-    ends the campaign with torch's `OutOfMemoryError` as raised: no check failed, nothing is shrunk.
+    then runs in lockstep, each read before the next is sent; else the campaign's first six examples
+    are fixed schedules, counted among its examples: the simplest pipelined pairs, an eager prefill
+    then a replay and two replays (`first_pair`), then a graph replay paired with an eager prefill,
+    a weight update before replays, the longest context and a speculative step
+    (`first_phase_change`), then a graph captured with a padding row replaying a full batch and a
+    padded one (`first_partial_bucket`), then a request leaving the first row while a later one goes
+    on to start a new block and sample (`first_front_departure`), then a batch shrinking within its
+    graph as its queries grow, its padding rows following a larger batch's (`first_stale_tail`),
+    then three requests alone on one graph in turn, each with other sampling values and adapter, a
+    new request listed before a continuing one, and short then long queries on one padded size
+    (`first_handover`). `seconds` is a time budget: once that many seconds have passed since the
+    campaign started, no new example starts and the campaign ends as passed (a failure found before
+    is shrunk as always, within `shrink_seconds`); `max_examples` still caps the count.
+    `cpu_threads`: torch's intra-op CPU threads while the campaign runs (None: as they are;
+    `campaign_process.torch_cpu_threads` says why 1). `stop`, asked before each example while
+    nothing has failed, ends the campaign as passed when true (another process found a failure:
+    `helpers.run_with_helpers`). The device running out of memory outside a step (the twins made,
+    a state restored) before anything failed ends the campaign with torch's `OutOfMemoryError` as
+    raised: no check failed, nothing is shrunk.
     """
     if seconds is not None and not seconds > 0:
         raise ValueError(f"seconds={seconds!r} must be a number of seconds > 0, or None")
@@ -297,7 +298,7 @@ def seeded(test: Callable[[], None], seed: int | None, run: int) -> Callable[[],
 def _leading_schedules(spec: TargetSpec) -> list[list[StepPlan]]:
     """The fixed schedules a campaign runs first, in order (an empty one is left out)."""
     return [
-        first_pair(),
+        first_pair(spec),
         first_phase_change(spec),
         first_partial_bucket(spec),
         first_front_departure(spec),
@@ -317,14 +318,14 @@ def _after_leading_examples(chosen: hypothesis.settings, leading: int) -> hypoth
 
 
 LEADING = (
-    "shrinking skipped: this is one of the campaign's leading examples, fixed schedules it runs "
-    "before any drawn one (the simplest pipelined pair; a replay paired with a prefill, a "
-    "weight update, the longest context and a speculative step; a graph captured with a padding "
-    "row replaying a full batch; a request leaving the first row while a later one goes on; "
-    "a batch shrinking within its graph as its queries grow; requests alone on one graph in "
-    "turn, with other sampling values and adapters, then a new request listed first and a "
-    "query growing on one padded size), and its replay ends at the "
-    "failing step"
+    "shrinking skipped: this is one of the campaign's leading examples, fixed schedules it runs"
+    " before any drawn one (the simplest pipelined pairs, a prefill then a replay and two "
+    "replays; a replay paired with a prefill, a weight update, the longest context and a "
+    "speculative step; a graph captured with a padding row replaying a full batch; a request "
+    "leaving the first row while a later one goes on; a batch shrinking within its graph as its"
+    " queries grow; requests alone on one graph in turn, with other sampling values and "
+    "adapters, then a new request listed first and a query growing on one padded size), and its"
+    " replay ends at the failing step"
 )
 
 NOT_REPEATED = (

@@ -44,6 +44,8 @@ CAUGHT_BY = {
     "adapter_slots_rebuilt": "replay_matches_eager",  # adapter slots rebuilt, not loaded in place
     "side_stream_escapes_capture": "replay_matches_eager",  # a sampler stream never forked
     "int32_view_made_once": "replay_matches_eager",  # int32 index copies made once, at capture
+    "rope_cache_grown": "replay_matches_eager",  # the rotary cache rebound when it grows
+    "ping_pong_not_flipped": "no_stream_races",  # a buffer set reused after an eager step
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates), on sim as on CUDA.
