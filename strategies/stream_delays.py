@@ -42,10 +42,20 @@ when the step raises; since it is a class attribute, other threads recording eve
 scope are delayed too. Not covered: `torch.Event` / `torch.Stream` (the device-generic classes,
 recorded in C++ without a Python hook), device-to-device copies, kernels on side streams not
 followed by a copy or an event record, and copies issued by C++ code that bypasses the dispatcher.
+
+How long: a sleep starts as soon as it is queued, and the host goes on with the step (launching an
+eager forward of a few hundred kernels takes milliseconds); once the sleep ends the device catches
+up, and a race whose other side is the host's next step is hidden. So both scopes take
+`hold_cycles`, the sleep that must outlast the host (the caller estimates it from the host time of
+the steps to outlast, `sleep_cycles_per_second` converting): the first sleep on each stream is that
+long, and so is any later one on a stream whose long sleep has already ended (the host waited for
+that stream in between); the others are `cycles` long, the work queued after them waiting for the
+long one anyway.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -83,27 +93,80 @@ def crossing_device(one: torch.device, other: torch.device) -> torch.device | No
 
 
 @contextmanager
-def delayed_streams(cycles: int) -> Iterator[None]:
-    """Delay every asynchronous host copy and event record by a `cycles`-long sleep kernel on its
-    own stream while the block runs; torch is as it was after the block, also when it raises."""
-    if cycles < 1:
-        raise ValueError(f"delayed_streams(cycles={cycles}): cycles must be >= 1")
-    with _delayed_event_records(cycles), _DelayedCopies(cycles):
+def delayed_streams(cycles: int, hold_cycles: int = 0) -> Iterator[None]:
+    """Delay every asynchronous host copy and event record by a sleep kernel on its own stream
+    while the block runs, `hold_cycles` long where that stream is not already held back, else
+    `cycles` long (module docstring); torch is as it was after the block, also when it raises."""
+    sleeps = _Sleeps("delayed_streams", cycles, hold_cycles)
+    with _delayed_event_records(sleeps), _DelayedCopies(sleeps):
         yield
 
 
 @contextmanager
-def delayed_compute(cycles: int) -> Iterator[None]:
-    """Delay the block's computation: a `cycles`-long sleep kernel on the current stream on entry
-    (the eager kernels queued after it wait for it) and ahead of every
-    `torch.cuda.CUDAGraph.replay` on the stream it replays on; copies and event records are not
+def delayed_compute(cycles: int, hold_cycles: int = 0) -> Iterator[None]:
+    """Delay the block's computation: a sleep kernel on the current stream on entry (the eager
+    kernels queued after it wait for it) and ahead of every `torch.cuda.CUDAGraph.replay` on the
+    stream it replays on, as long as `delayed_streams`'s; copies and event records are not
     delayed. Torch is as it was after the block, also when it raises."""
-    if cycles < 1:
-        raise ValueError(f"delayed_compute(cycles={cycles}): cycles must be >= 1")
-    _sleep_on(None, cycles)
+    sleeps = _Sleeps("delayed_compute", cycles, hold_cycles)
+    sleeps.on(None)
     # None: the current stream, which the graph replays on.
-    with _sleeping_before(torch.cuda.CUDAGraph, "replay", cycles, lambda graph: None):
+    with _sleeping_before(torch.cuda.CUDAGraph, "replay", sleeps, lambda graph: None):
         yield
+
+
+class _Sleeps:
+    """The sleeps of one delayed scope: `hold` cycles on a stream no earlier long sleep of the
+    scope still holds back, `cycles` on one it does."""
+
+    def __init__(self, scope: str, cycles: int, hold_cycles: int) -> None:
+        if cycles < 1:
+            raise ValueError(f"{scope}(cycles={cycles}): cycles must be >= 1")
+        if hold_cycles < 0:
+            raise ValueError(f"{scope}(hold_cycles={hold_cycles}): hold_cycles must be >= 0")
+        self.cycles, self.hold = cycles, max(cycles, hold_cycles)
+        self._holding: dict[Any, Any] = {}  # stream -> an event past its last long sleep
+
+    def on(self, stream: Any) -> None:
+        """A sleep on `stream` (None: the current stream)."""
+        if self.hold == self.cycles:
+            _sleep_on(stream, self.cycles)
+            return
+        resolved = _resolved(stream)
+        held = self._holding.get(resolved)
+        if held is not None and not held.query():
+            _sleep_on(stream, self.cycles)
+            return
+        if _sleep_on(stream, self.hold):
+            self._holding[resolved] = _passed(resolved)
+
+
+def _resolved(stream: Any) -> Any:
+    return torch.cuda.current_stream() if stream is None else stream
+
+
+def _passed(stream: Any) -> Any:
+    """An event recorded on `stream` now, by the recording `torch.cuda.Event.record` wraps (the
+    scope's own delayed one would sleep first)."""
+    event = torch.cuda.Event()
+    torch._C._CudaEventBase.record(event, stream)
+    return event
+
+
+@functools.cache
+def sleep_cycles_per_second(device: int) -> float:
+    """How many cycles of `torch.cuda._sleep` pass in a second on cuda device `device`, timed once
+    per process (the sleep counts the SM clock, whose rate the driver may change: a delay sized
+    with this is an estimate, which its callers pad)."""
+    cycles = 20_000_000
+    with torch.cuda.device(device):
+        torch.cuda._sleep(1000)  # the kernel loaded before the timing
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return cycles / (start.elapsed_time(end) / 1e3)
 
 
 class _DelayedCopies(TorchDispatchMode):
@@ -115,9 +178,9 @@ class _DelayedCopies(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         return False
 
-    def __init__(self, cycles: int) -> None:
+    def __init__(self, sleeps: _Sleeps) -> None:
         super().__init__()
-        self.cycles = cycles
+        self.sleeps = sleeps
 
     def __torch_dispatch__(
         self,
@@ -133,7 +196,7 @@ class _DelayedCopies(TorchDispatchMode):
     def delay_then_run(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         device = async_copy_device(func, args, kwargs)
         if device is not None:
-            _sleep_on(_current_stream(device), self.cycles)
+            self.sleeps.on(_current_stream(device))
         return func(*args, **kwargs)
 
 
@@ -141,27 +204,27 @@ class _DelayedCopies(TorchDispatchMode):
 _delay_unseen_by_compiler = torch._disable_dynamo(_DelayedCopies.delay_then_run, recursive=True)
 
 
-def _delayed_event_records(cycles: int) -> AbstractContextManager[None]:
+def _delayed_event_records(sleeps: _Sleeps) -> AbstractContextManager[None]:
     # The stream an event is recorded on: the one passed, or (None) the current stream.
     def stream(event: Any, stream: Any = None) -> Any:
         return stream
 
-    return _sleeping_before(torch.cuda.Event, "record", cycles, stream)
+    return _sleeping_before(torch.cuda.Event, "record", sleeps, stream)
 
 
 @contextmanager
 def _sleeping_before(
-    owner: type, name: str, cycles: int, stream: Callable[..., Any]
+    owner: type, name: str, sleeps: _Sleeps, stream: Callable[..., Any]
 ) -> Iterator[None]:
-    """`owner.name` replaced for the block by a call that first sleeps `cycles` on
-    `stream(*arguments)` (None: the current stream); on exit, also when the block raises, the
+    """`owner.name` replaced for the block by a call that first sleeps on `stream(*arguments)`
+    (None: the current stream); on exit, also when the block raises, the
     exact attribute `owner` had is put back (or removed, where it inherited it)."""
     owned = name in vars(owner)
     before = vars(owner).get(name)
     original = getattr(owner, name)  # what an instance resolves today, inherited or not
 
     def delayed(*args: Any, **kwargs: Any) -> Any:
-        _sleep_on(stream(*args, **kwargs), cycles)
+        sleeps.on(stream(*args, **kwargs))
         return original(*args, **kwargs)
 
     setattr(owner, name, delayed)
@@ -178,8 +241,11 @@ def _current_stream(device: torch.device) -> Any:
     return torch.cuda.current_stream(device)
 
 
-def _sleep_on(stream: Any, cycles: int) -> None:
-    """A sleep kernel on `stream` (None: the current stream), unless that stream is capturing."""
+def _sleep_on(stream: Any, cycles: int) -> bool:
+    """A sleep kernel on `stream` (None: the current stream), unless that stream is capturing;
+    whether it was queued."""
     with torch.cuda.stream(stream):
-        if not torch.cuda.is_current_stream_capturing():
-            torch.cuda._sleep(cycles)
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        torch.cuda._sleep(cycles)
+        return True

@@ -89,13 +89,16 @@ def delay(backend: Backend, stress: Stress) -> None:
         backend.set_scheduler_seed(stress.scheduler_seed)
 
 
-def delayed_step(backend: Backend, stress: Stress) -> AbstractContextManager[None]:
+def delayed_step(
+    backend: Backend, stress: Stress, hold_cycles: int = 0
+) -> AbstractContextManager[None]:
     """The scope to run the stressed twin's step in: on cuda with `stress.delay_cycles`, every
     asynchronous host copy and event record on any stream lands late, or the step's eager kernels
-    and graph replays where `stress.late` says "compute" (`stream_delays`); anywhere else
-    nothing is entered at all, so an unstressed step pays nothing."""
+    and graph replays where `stress.late` says "compute", by at least `hold_cycles` where no
+    earlier sleep holds their stream back (`stream_delays`); anywhere else nothing is entered at
+    all, so an unstressed step pays nothing."""
     if stress.delay_cycles and backend.name == "cuda":
         if stress.late == "compute":
-            return delayed_compute(stress.delay_cycles)
-        return delayed_streams(stress.delay_cycles)
+            return delayed_compute(stress.delay_cycles, hold_cycles)
+        return delayed_streams(stress.delay_cycles, hold_cycles)
     return nullcontext()

@@ -12,9 +12,12 @@ A failure found on kept twins is run again alone, on fresh twins, after the weig
 started from if there was one. When it fails there too without such an update, that is the
 failure reported and shrunk: its snippet replays the example alone. When it fails only after the
 update, it is reported at once, unshrunk (Hypothesis knows nothing of the update), with a snippet
-that replays the update and the example. When it does not fail alone, every example since the
-twins were made is run again on fresh twins (each after a `Reset`): when that fails, the failure
-needed the twins' history; when it passes too, the failure did not repeat (timing: the order in
+that replays the update and the example. When it does not fail alone, it is run again on fresh
+twins made with the seed the kept twins were made with (the first example's; a factory may draw
+its weights from it), after a `Reset` to the example's seed: when that fails, the failure needed
+those twins, and its snippet makes them and runs the example. When it passes, every example since
+the twins were made is run again on fresh twins (each after a `Reset`): when that fails, the
+failure needed the twins' history; when it passes too, the failure did not repeat (timing: the order in
 which streams and the host ran, or what freed memory held), which the report says. Either is
 reported at once with a snippet that replays those examples, not shrunk, since Hypothesis shrinks
 one example and this one passes alone. Either way the rest of the campaign (shrinking) runs on
@@ -40,6 +43,10 @@ NEEDS_HISTORY = "shrinking skipped: the failure needs the examples before it on 
 NEEDS_WEIGHTS = (
     "shrinking skipped: the example started from weights an earlier example loaded, which the "
     "drawn example does not hold; its snippet replays that weight update first"
+)
+NEEDS_TWIN_SEED = (
+    "shrinking skipped: the failure needs twins made with the seed the kept twins were made with, "
+    "which the drawn example does not use"
 )
 NOT_REPEATED_ON_FRESH_TWINS = (
     "shrinking skipped: the failure repeated neither alone nor after the examples before it, on "
@@ -142,9 +149,11 @@ class KeptTwins:
         weights: int | None,
     ) -> None:
         """Run the failing example again alone on fresh twins, after the weight update it started
-        from (if any); raise what that tells. When it passes alone, run every example since the
-        kept twins were made again, on fresh twins: a failure that repeats there needed the
-        twins' history, one that does not came from timing."""
+        from (if any); raise what that tells. When it passes alone, run it again on fresh twins
+        made with the seed the kept ones were made with (a factory may draw weights from it);
+        when that passes too, run every example since the kept twins were made again, on fresh
+        twins: a failure that repeats there needed the twins' history, one that does not came
+        from timing."""
         examples = kept.examples
         updated = [] if weights is None else [Stress(weight_seed=weights)]
         alone = self._failure_alone([*updated, *events], seed)
@@ -158,6 +167,19 @@ class KeptTwins:
                 "then the example"
             )
             raise self._noted(alone, note, NEEDS_WEIGHTS) from found
+        if kept.twin_seed != seed:
+            # The kept twins were made with the seed of the first example run on them: a
+            # factory's weights may come from that seed, which the example alone does not use.
+            made_so = self._failure_alone([Reset(seed), *updated, *events], kept.twin_seed, True)
+            if made_so is not None:
+                note = (
+                    f"\nthis failure needed twins made with seed {kept.twin_seed} (what a factory "
+                    f"draws from its seed, such as weights): the failing example passes alone on "
+                    f"fresh twins made with its own seed {seed}, and fails on fresh twins made as "
+                    f"the kept ones were; the snippet above makes those twins and runs the example "
+                    "after a Reset"
+                )
+                raise self._noted(made_so, note, NEEDS_TWIN_SEED) from found
         # Every example run on these twins, made and run again as they were (a failure while
         # they are made counts: something failed all the same).
         if self._failure_alone(kept.replayed(events), kept.twin_seed, kept=True) is not None:

@@ -38,6 +38,7 @@ from pytest_graphmode.failure import MADE_TWINS, Failure, GraphmodeFailure
 from pytest_graphmode.fuzz import sampling_check
 from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.construction import construction_raised, made_twins_violations
+from pytest_graphmode.fuzz.host_times import HostTimes
 from pytest_graphmode.fuzz.registry import (
     REGISTRY,
     Evidence,
@@ -163,6 +164,7 @@ class Lockstep:
         self.weight_seed: int | None = None
         self._history: list[Event] = []  # the events of the examples run before this one
         self._saved: list[dict[str, torch.Tensor]] = []
+        self.host_times = HostTimes()
         try:
             self.graph, self.eager = self._make_pair()
             self.clean = self._make("graph")
@@ -343,17 +345,27 @@ class Lockstep:
             previous = first.batch
             step += 1
 
-    def _graph_step(self, batch: Batch, stress: Stress) -> Outcome:
+    def _graph_step(
+        self, batch: Batch, stress: Stress, outlast: Sequence[Batch] | None = None
+    ) -> Outcome:
         """The graph twin's step under `stress`'s delay, preceded in the same scope by its
         weight update when `stress` has one. Right before the step, after the harness's own
         poisoning, marks and snapshots (which wait for the device): on cuda an update the step
         does not wait for is then still in flight when the step reads the weights, and a loader
         that refills a pinned staging buffer before its last copy out of it ran loads other
-        weights than the references, which load them undelayed."""
-        with stressors.delayed_step(self.backend, stress):
+        weights than the references, which load them undelayed. On cuda the delay holds the
+        step's streams back for as long as the host takes to run the steps of `outlast` (None:
+        this one; `host_times.py`)."""
+        delayed = bool(stress.delay_cycles) and self.backend.name == "cuda"
+        hold = 0
+        if delayed:
+            hold = self.host_times.hold_cycles(self.backend.device, outlast or [batch])
+        with stressors.delayed_step(self.backend, stress, hold):
             if stress.weight_seed is not None:
                 self.graph.update_weights(stress.weight_seed)
-            return step_outcome(self.graph, batch)
+            if delayed:  # its host time may include the sleep, where the host waits for it
+                return step_outcome(self.graph, batch)
+            return self.host_times.timed("graph", batch, lambda: step_outcome(self.graph, batch))
 
     def _rng(self, step: int) -> random.Random:
         return random.Random(self.seed * 1_000_003 + step)
@@ -452,7 +464,8 @@ class Lockstep:
         company twin's slots to write are marked before its step and read right after it
         (`kv_writes_land`): its requests live in other rows and blocks than on the other twins,
         so a table gone wrong with that history shows there first."""
-        eager, clean = step_outcome(self.eager, batch), step_outcome(self.clean, batch)
+        eager = self.host_times.timed("eager", batch, lambda: step_outcome(self.eager, batch))
+        clean = step_outcome(self.clean, batch)
         sub = None
         if self.company is not None:
             invariant = self.spec.batch_invariant
@@ -540,12 +553,12 @@ class Lockstep:
         clean_after = {} if ended else snapshot(self.clean.state())
 
         held_before = self._graph_result
-        graph0 = self._graph_step(first.batch, _pair_delay(first.stress, second.stress))
+        both = [first.batch, second.batch]
+        graph0 = self._graph_step(first.batch, _pair_delay(first.stress, second.stress), both)
         graph1: Outcome | None = None
         if ref1 is not None and graph0.error is None:
             stressors.delay(self.backend, second.stress)
-            with stressors.delayed_step(self.backend, second.stress):
-                graph1 = step_outcome(self.graph, second.batch)
+            graph1 = self._graph_step(second.batch, second.stress)
         self._count(first.batch, graph0.result)
         self.stats.pipelined_steps += 1
         # A twin that raised owes no consistent state: the pair's states are then not read.

@@ -13,6 +13,7 @@ from pytest_graphmode.contract import Batch, StepResult, TargetFactory
 from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.kept_twins import (
     FRESH_EVERY,
+    NEEDS_TWIN_SEED,
     NEEDS_WEIGHTS,
     NOT_REPEATED_ON_FRESH_TWINS,
     HistoryFailure,
@@ -226,3 +227,40 @@ def test_a_failure_found_on_kept_twins_that_fails_alone_replays_alone() -> None:
             on_kept_twins += 1
             break
     assert on_kept_twins, "every failure came from the first example: no kept twins were tried"
+
+
+class DriftsWhenMadeWithSeedOne(toy.ToyTarget):
+    """Graph mode drifts on batches of two requests when it was made with seed 1, as weights
+    drawn from the factory's seed can make a bug show: the failure needs the twins' seed, not
+    the examples run on them."""
+
+    def __init__(self, mode: str, *, seed: int, backend: str) -> None:
+        super().__init__(mode, seed=seed, backend=backend)
+        self.made_with = seed
+
+    def step(self, batch: Batch) -> StepResult:
+        result = super().step(batch)
+        if self.mode != "graph" or self.made_with != 1 or batch.num_reqs != 2:
+            return result
+        return StepResult(result.logits * 1.01, result.next_tokens, result.path, result.graph_key)
+
+
+def drifts_when_made_with_seed_one(mode: str, *, seed: int, backend: str) -> toy.ToyTarget:
+    return DriftsWhenMadeWithSeedOne(mode, seed=seed, backend=backend)
+
+
+def test_a_failure_that_needs_the_kept_twins_seed_says_so_and_replays_that_example_alone() -> None:
+    twins = KeptTwins(drifts_when_made_with_seed_one, backend="sim", stats=CampaignStats())
+    try:
+        twins.run(_batches(1), seed=1)  # one request: passes, and the twins are made with seed 1
+        with pytest.raises(HistoryFailure) as caught:
+            twins.run(_batches(2), seed=2)
+    finally:
+        twins.close()
+    assert caught.value.unshrunk == NEEDS_TWIN_SEED  # not "needs the examples before it"
+    failure = caught.value.failed.failure
+    assert "needed twins made with seed 1" in failure.message
+    snippet = failure.replay_snippet
+    assert snippet.count("Reset(") == 1 and "seed=1" in snippet  # the example alone, after one
+    with pytest.raises(GraphmodeFailure):
+        exec(snippet, {})

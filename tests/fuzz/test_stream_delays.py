@@ -244,7 +244,7 @@ def _open_scopes(monkeypatch) -> list[Stress]:
     open_scopes: list[Stress] = []
 
     @contextmanager
-    def scope(backend: Any, stress: Stress) -> Any:
+    def scope(backend: Any, stress: Stress, hold_cycles: int = 0) -> Any:
         open_scopes.append(stress)
         try:
             yield
@@ -360,3 +360,70 @@ def test_the_graph_twins_weight_update_runs_right_before_its_step_in_its_scope(m
     assert calls[at + 1] == ("step", 0, update)  # nothing read of any twin in between
     references = [(twin, scope) for what, twin, scope in calls[:at] if what == "update"]
     assert {twin for twin, _ in references} >= {1, 2} and all(s is None for _, s in references)
+
+
+class _Held:
+    """Stands in for the event recorded after a long sleep: `done` says whether it passed."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+@pytest.fixture
+def held(sleeps, monkeypatch: pytest.MonkeyPatch) -> list[_Held]:
+    """The events marking the end of each long sleep, in order; the sleeps are always queued."""
+    marks: list[_Held] = []
+
+    def sleep_on(stream: Any, cycles: int) -> bool:
+        sleeps.append((stream, cycles))
+        return True
+
+    def passed(stream: Any) -> _Held:
+        marks.append(_Held())
+        return marks[-1]
+
+    monkeypatch.setattr(stream_delays, "_sleep_on", sleep_on)
+    monkeypatch.setattr(stream_delays, "_resolved", lambda stream: stream or "current stream")
+    monkeypatch.setattr(stream_delays, "_passed", passed)
+    return marks
+
+
+def test_a_hold_sleeps_long_once_per_stream_while_that_sleep_holds_it_back(
+    sleeps, held, monkeypatch
+):
+    monkeypatch.setattr(torch.cuda.Event, "record", lambda event, stream=None: None)
+    with FakeTensorMode():
+        device_tensor, host = torch.empty(4, device="cuda"), torch.empty(4)
+        with delayed_streams(7, hold_cycles=700):
+            host.copy_(device_tensor, non_blocking=True)
+            host.copy_(device_tensor, non_blocking=True)  # queued behind the long sleep
+            torch.cuda.Event.record("event", "copy stream")  # another stream: long too
+            held[0].done = True  # the host waited for the current stream: held back no more
+            host.copy_(device_tensor, non_blocking=True)
+    current = ("current", CUDA)
+    assert sleeps == [(current, 700), (current, 7), ("copy stream", 700), (current, 700)]
+
+
+def test_late_compute_holds_its_stream_back_on_entry_and_again_once_it_caught_up(
+    sleeps, held, monkeypatch
+):
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: None)
+    with delayed_compute(13, hold_cycles=1300):
+        torch.cuda.CUDAGraph.replay("graph")
+        held[0].done = True
+        torch.cuda.CUDAGraph.replay("graph")
+    assert sleeps == [(None, 1300), (None, 13), (None, 1300)]
+
+
+def test_a_hold_shorter_than_the_delay_is_the_delay(sleeps):
+    with delayed_compute(13, hold_cycles=5):
+        pass
+    assert sleeps == [(None, 13)]
+
+
+def test_a_negative_hold_is_refused():
+    with pytest.raises(ValueError, match="hold_cycles must be >= 0"), delayed_streams(1, -1):
+        pass

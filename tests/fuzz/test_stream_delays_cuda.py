@@ -7,6 +7,7 @@ stays hidden.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -14,7 +15,11 @@ import torch
 
 from pytest_graphmode.runtime import backends
 from pytest_graphmode.runtime.backends import Backend
-from pytest_graphmode.strategies.stream_delays import delayed_compute, delayed_streams
+from pytest_graphmode.strategies.stream_delays import (
+    delayed_compute,
+    delayed_streams,
+    sleep_cycles_per_second,
+)
 
 pytestmark = pytest.mark.graphmode_cuda
 
@@ -142,3 +147,23 @@ def test_an_upload_not_waiting_for_the_work_before_it_overwrites_that_works_inpu
             static.copy_(staging, non_blocking=True)  # the next step's upload
     be.synchronize()
     assert out.unique().tolist() == ([0.0] if waits else [6.0])
+
+
+def test_the_sleep_clock_is_timed_at_a_plausible_rate(be):
+    assert 1e8 < sleep_cycles_per_second(torch.cuda.current_device()) < 1e10
+
+
+@pytest.mark.parametrize("hold", [True, False], ids=["held", "not held"])
+def test_a_hold_keeps_an_upload_queued_while_the_host_works_past_the_delay(be, hold):
+    """The host works 5 ms after the upload (an eager forward's launches) before it rewrites the
+    staging: a short delay has ended by then and the upload read the old values; a hold of 30 ms
+    keeps it queued, so the rewrite shows."""
+    staging, device = _staged(be, 1.0)
+    per_second = sleep_cycles_per_second(torch.cuda.current_device())
+    hold_cycles = int(0.03 * per_second) if hold else 0
+    with delayed_streams(1000, hold_cycles=hold_cycles):
+        device.copy_(staging, non_blocking=True)
+        time.sleep(0.005)
+        staging.fill_(2.0)
+    be.synchronize()
+    assert device.unique().tolist() == ([2.0] if hold else [1.0])

@@ -57,7 +57,7 @@ def make_interrupted_target(mode, *, seed, backend):
 
         def interrupted(batch):
             graph_steps[0] += 1
-            if graph_steps[0] > 10:
+            if graph_steps[0] > 12:
                 raise KeyboardInterrupt
             return step(batch)
 
@@ -279,13 +279,13 @@ def test_ctrl_c_keeps_every_step_counted_in_the_summary_and_the_report(
         "--graphmode-report=graphmode.json",
     )
     assert run.ret == pytest.ExitCode.INTERRUPTED
-    # The 11th step of a graph-mode twin (graph or clean) is the second leading example's first:
-    # the first leading example's 5 steps took 10, each on the graph and the clean twin. Checked
-    # before the interrupt: 5 steps.
-    run.fnmatch_lines(["campaigns: 1  examples: 2  steps: 5  time: *"])
+    # The 13th step of a graph-mode twin (graph or clean) is the second leading example's first:
+    # the first leading example's 6 steps took 12, each on the graph and the clean twin. Checked
+    # before the interrupt: 6 steps.
+    run.fnmatch_lines(["campaigns: 1  examples: 2  steps: 6  time: *"])
     report = json.loads((run.path / "graphmode.json").read_text())
-    assert (report["campaigns"], report["steps"]) == (1, 5)
-    assert report["checks_run"]["replay_matches_eager"] == 5
+    assert (report["campaigns"], report["steps"]) == (1, 6)
+    assert report["checks_run"]["replay_matches_eager"] == 6
 
 
 def test_twins_share_a_seed_and_are_closed_afterwards(toy_project: pytest.Pytester) -> None:
