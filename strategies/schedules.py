@@ -529,7 +529,8 @@ def first_stale_tail(spec: TargetSpec) -> list[StepPlan]:
     capture size whose bucket also serves c - 2 requests (two padding rows; one where no capture
     size leaves two). Then the last two finish and the other c - 2 run a speculative step, each
     with the most draft tokens (up to 3) that keep c rows of them within the token budget, padded
-    to the same c rows. Every per-row value staged for a padding row (where its queries start and
+    to the same c rows (fewer drafts where the step's tokens would fill a capture size exactly,
+    so that a graph keyed by token count is padded too: `_stale_tail_drafts`). Every per-row value staged for a padding row (where its queries start and
     end, its sequence length, its block-table row) is then whatever the decode step left there,
     unless the runner rewrites it: where queries start, for one, a decode step leaves one token
     a row apart, so a stale padding row's query range reaches back into the valid requests' tokens.
@@ -550,9 +551,7 @@ def first_stale_tail(spec: TargetSpec) -> list[StepPlan]:
     if rows is None:
         return []
     c, live = rows
-    drafts = 0
-    if "spec_decode" in spec.features:
-        drafts = max(0, min(3, spec.max_num_tokens // c - 1))
+    drafts = _stale_tail_drafts(spec, c, live) if "spec_decode" in spec.features else 0
     positions = 3 + drafts  # a one-token prompt, its first token, a decode step's, the drafts
     fits = (
         positions <= _capacity(spec)
@@ -651,6 +650,18 @@ def _short_then_long_queries(spec: TargetSpec, live: int) -> list[StepPlan]:
     short = StepPlan(kind="prefill", rows=c // 2, arrivals=(Arrival(prompt_len=2),) * (c // 2))
     long = StepPlan(kind="prefill", rows=1, arrivals=(Arrival(prompt_len=c),), chunk=c)
     return [short, long]
+
+
+def _stale_tail_drafts(spec: TargetSpec, c: int, live: int) -> int:
+    """The draft tokens per request of `first_stale_tail`'s speculative step: the most (up to 3)
+    that keep c rows of them within the token budget, but fewer where `live` requests of that
+    many tokens fill a capture size exactly and fewer do not: a runner that keys its verify
+    graphs by token count then pads the step too (6 requests of 4 tokens fill a graph of 24)."""
+    most = max(0, min(3, spec.max_num_tokens // c - 1))
+    for drafts in range(most, 0, -1):
+        if live * (1 + drafts) not in spec.capture_sizes:
+            return drafts
+    return most
 
 
 def _shrunk_rows(spec: TargetSpec) -> tuple[int, int] | None:

@@ -158,3 +158,31 @@ def replay_waits_for_an_event_from_a_copy_stream(be: Any) -> str:
     be.current_stream().wait_event(copied)
     g.replay()
     return value(be, y)
+
+
+@case("value=[2.0, 2.0]")
+def a_wait_is_bound_to_the_record_before_it(be: Any) -> str:
+    """An event recorded again, on another stream, while a wait on its earlier record is still
+    queued: the wait is for the earlier record (one event serving two purposes is a runner's
+    race, never a hang of the backend). On sim over twelve schedules."""
+
+    def trial() -> str:
+        a, b = be.Stream(), be.Stream()
+        x = torch.zeros(2, device=be.device)
+        a.wait_stream(be.current_stream())
+        ev = be.Event()
+        with be.stream(a):
+            busy(be)
+            x.fill_(1.0)
+            ev.record()
+        b.wait_event(ev)
+        with be.stream(b):
+            x.mul_(2)
+            ev.record()
+        return value(be, x)
+
+    outcomes = set()
+    for seed in range(12):
+        be.set_scheduler_seed(seed)
+        outcomes.add(trial())
+    return " / ".join(sorted(outcomes))

@@ -344,6 +344,18 @@ def test_the_stale_tail_schedule_decodes_the_rows_of_a_partly_rejected_speculati
         assert now.context_len == before.context_len + drafts // 2 + 1 < before.seq_len
 
 
+# Graphs every 8 tokens from 8 (as engines capture them): 6 requests of 1 + 3 tokens fill 24.
+EVERY_EIGHT = dataclasses.replace(WIDE, capture_sizes=(1, 2, 4, 8, 16, 24, 32))
+
+
+def test_the_stale_tail_speculative_step_pads_a_graph_keyed_by_tokens_too():
+    events = compile_schedule(EVERY_EIGHT, schedules_module.first_stale_tail(EVERY_EIGHT), seed=0)
+    speculative = [e for e in events if isinstance(e, Batch)][2]
+    assert speculative.num_reqs == 6 and bucket_for(EVERY_EIGHT, speculative.num_reqs) == 8
+    # two drafts, not three: 18 tokens pad to a graph of 24 tokens as 6 rows pad to 8
+    assert speculative.num_tokens == 18 not in EVERY_EIGHT.capture_sizes
+
+
 @pytest.mark.parametrize(
     "spec",
     [

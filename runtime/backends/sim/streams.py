@@ -31,9 +31,12 @@ class _Work:
 
 @dataclass(eq=False)
 class _Marker:
-    """An event recorded at this point of a stream; done once the stream reaches it."""
+    """An event recorded at this point of a stream; done once the stream reaches it. The stream
+    is the marker's own: an event recorded again elsewhere moves, and a wait already queued on
+    this record must still run this stream (as a CUDA wait is bound to the record before it)."""
 
     event: SimEvent
+    stream: SimStream
     done: bool = False
     at: float = 0.0
 
@@ -97,9 +100,8 @@ class StreamScheduler:
             self._run_next(stream)
 
     def run_until(self, marker: _Marker) -> None:
-        stream = marker.event.recorded_on
-        while not marker.done and stream is not None:
-            self._run_next(stream)
+        while not marker.done:
+            self._run_next(marker.stream)
 
     def drain_all(self) -> None:
         while True:
@@ -218,8 +220,8 @@ class SimEvent:
         return (end.marker.at - self.marker.at) * 1e3
 
 
-def new_marker(event: SimEvent) -> _Marker:
-    return _Marker(event)
+def new_marker(event: SimEvent, stream: SimStream) -> _Marker:
+    return _Marker(event, stream)
 
 
 def new_wait(marker: _Marker) -> _Wait:
