@@ -80,10 +80,15 @@ def churn(device: torch.device, count: int, rng: random.Random) -> list[torch.Te
     return made[::2]
 
 
+def delays_on(backend: Backend, stress: Stress) -> bool:
+    """Whether `stress` delays work on `backend`: only on cuda, only with `delay_cycles`."""
+    return bool(stress.delay_cycles) and backend.name == "cuda"
+
+
 def delay(backend: Backend, stress: Stress) -> None:
     """Make asynchronous work land late: a sleep kernel on the current cuda stream, or a fresh
     seed for the sim backend's stream scheduler (where the backend offers one)."""
-    if stress.delay_cycles and backend.name == "cuda":
+    if delays_on(backend, stress):
         torch.cuda._sleep(stress.delay_cycles)
     if stress.scheduler_seed is not None and hasattr(backend, "set_scheduler_seed"):
         backend.set_scheduler_seed(stress.scheduler_seed)
@@ -97,7 +102,7 @@ def delayed_step(
     and graph replays where `stress.late` says "compute", by at least `hold_cycles` where no
     earlier sleep holds their stream back (`stream_delays`); anywhere else nothing is entered at
     all, so an unstressed step pays nothing."""
-    if stress.delay_cycles and backend.name == "cuda":
+    if delays_on(backend, stress):
         if stress.late == "compute":
             return delayed_compute(stress.delay_cycles, hold_cycles)
         return delayed_streams(stress.delay_cycles, hold_cycles)

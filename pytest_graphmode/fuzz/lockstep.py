@@ -164,7 +164,8 @@ class Lockstep:
         self.weight_seed: int | None = None
         self._history: list[Event] = []  # the events of the examples run before this one
         self._saved: list[dict[str, torch.Tensor]] = []
-        self.host_times = HostTimes()
+        # Measured on cuda only, the one backend whose delays it sizes.
+        self.host_times = HostTimes(measure=self.backend.name == "cuda")
         try:
             self.graph, self.eager = self._make_pair()
             self.clean = self._make("graph")
@@ -356,7 +357,7 @@ class Lockstep:
         weights than the references, which load them undelayed. On cuda the delay holds the
         step's streams back for as long as the host takes to run the steps of `outlast` (None:
         this one; `host_times.py`)."""
-        delayed = bool(stress.delay_cycles) and self.backend.name == "cuda"
+        delayed = stressors.delays_on(self.backend, stress)
         hold = 0
         if delayed:
             hold = self.host_times.hold_cycles(self.backend.device, outlast or [batch])

@@ -63,3 +63,9 @@ def test_the_hold_is_bounded(gigahertz):
     times = HostTimes()
     _noted(times, "eager", PREFILL, MAX_HOLD_SECONDS + 0.01)
     assert times.hold_cycles(CUDA, [PREFILL]) == pytest.approx(2 * MAX_HOLD_SECONDS * 1e9)
+
+
+def test_times_that_do_not_measure_run_the_step_and_note_nothing():
+    times = HostTimes(measure=False)
+    assert times.timed("eager", PREFILL, lambda: time.sleep(0.01) or "stepped") == "stepped"
+    assert times.estimate(PREFILL) == 0.0

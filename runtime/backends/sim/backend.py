@@ -379,7 +379,7 @@ class SimBackend:
             event.clock = None
             return
         event.capture_position = None
-        event.marker = new_marker(event, stream)
+        event.marker = new_marker(stream)
         event.clock = self._races.record(self._races.agent(stream))
         self.scheduler.enqueue(stream, event.marker)
 

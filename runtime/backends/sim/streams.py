@@ -35,7 +35,6 @@ class _Marker:
     is the marker's own: an event recorded again elsewhere moves, and a wait already queued on
     this record must still run this stream (as a CUDA wait is bound to the record before it)."""
 
-    event: SimEvent
     stream: SimStream
     done: bool = False
     at: float = 0.0
@@ -220,8 +219,8 @@ class SimEvent:
         return (end.marker.at - self.marker.at) * 1e3
 
 
-def new_marker(event: SimEvent, stream: SimStream) -> _Marker:
-    return _Marker(event, stream)
+def new_marker(stream: SimStream) -> _Marker:
+    return _Marker(stream)
 
 
 def new_wait(marker: _Marker) -> _Wait:
