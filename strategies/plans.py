@@ -45,8 +45,10 @@ class Stress:
     host copy and event record of the stressed twin's step, on whichever stream it runs, or,
     with `late="compute"`, on the current stream as the step begins and ahead of every graph
     replay instead (`stream_delays`): the other order of a race, a copy overwriting what a replay
-    or an eager forward still reads; `scheduler_seed`: on sim, reseed the stream scheduler (both
-    when not None).
+    or an eager forward still reads; `held_stream`: with `delay_cycles`, hold back only the step's
+    `held_stream`-th stream (counted in the order the step first delays work on it) and no other,
+    so that a race between two streams shows (None: every stream); `scheduler_seed`: on sim,
+    reseed the stream scheduler (both when not None).
     Poisoning needs no field: it happens before every step.
 
     `pipelined`: the harness submits the next step to the graph twin before it reads anything of
@@ -62,10 +64,13 @@ class Stress:
     scheduler_seed: int | None = None
     pipelined: bool = False
     late: Late = "copies"
+    held_stream: int | None = None
 
     def __post_init__(self) -> None:
         if self.late not in LATE:
             raise ValueError(f"Stress.late={self.late!r}; use one of {LATE}")
+        if self.held_stream is not None and self.held_stream < 0:
+            raise ValueError(f"Stress.held_stream={self.held_stream} must be >= 0 or None")
         if self.pipelined and (self.churn or self.weight_seed is not None):
             raise ValueError(
                 f"Stress(pipelined=True) takes only delay_cycles and scheduler_seed, got "

@@ -41,6 +41,9 @@ TEMPERATURES = (0.25, 0.5, 1.0, 2.0, 4.0)
 MAX_SPEC_K = 4  # draft tokens a speculative step proposes at most
 MAX_LEADING_STEPS = 12  # a fixed leading example longer than this is left out
 DELAY_CYCLES = 2_000_000  # long enough that an unsynchronised copy stream visibly lags behind
+# Which stream a delay holds back: every one (what shrinking tends to), or one of the first three a
+# step uses (a compute, a copy and an output stream cover the runners seen so far).
+HELD_STREAMS = (None, 0, 1, 2)
 
 
 def _capacity(spec: TargetSpec) -> int:
@@ -150,15 +153,19 @@ def stresses(
     weight_seeds = st.none()
     if "weight_update" in spec.features:
         weight_seeds = st.one_of(st.none(), st.integers(1, 2**16))
-    delays, scheduler_seeds = st.just(0), st.none()
+    delays, held_streams, scheduler_seeds = st.just(0), st.none(), st.none()
     if "delays" in swarm.stressors:
-        delays = st.sampled_from((0, DELAY_CYCLES))
+        # Three steps in four where delays are on: on cuda a race shows only on a delayed step
+        # whose held stream is the late side of it (`HELD_STREAMS`). Shrinking goes to 0.
+        delays = st.integers(0, 3).map(lambda n: DELAY_CYCLES if n else 0)
+        held_streams = st.sampled_from(HELD_STREAMS)
         scheduler_seeds = st.one_of(st.none(), st.integers(0, 2**16))
     active = st.builds(
         Stress,
         churn=st.integers(0, 3) if "churn" in swarm.stressors else st.just(0),
         weight_seed=weight_seeds,
         delay_cycles=delays,
+        held_stream=held_streams,
         scheduler_seed=scheduler_seeds,
     )
     # A pair's delay makes its copies land late, or its computation: on cuda each shows one order
@@ -167,6 +174,7 @@ def stresses(
         Stress,
         pipelined=st.just(True),
         delay_cycles=delays,
+        held_stream=held_streams,
         scheduler_seed=scheduler_seeds,
         late=st.sampled_from(LATE),
     )
@@ -625,6 +633,48 @@ def first_handover(spec: TargetSpec) -> list[StepPlan]:
     if spec.max_num_reqs >= 2:
         plans.append(StepPlan(kind="mixed", rows=2, arrivals=(Arrival(prompt_len=1),), rotate=1))
     return plans + _short_then_long_queries(spec, live=min(2, spec.max_num_reqs))
+
+
+def first_stream_sweep(spec: TargetSpec) -> list[StepPlan]:
+    """The simplest schedule in which each of a step's first streams runs late alone. A campaign
+    runs it as its seventh example, after `first_handover`, on the same twins.
+
+    A request A (sampled where the spec samples, so its tokens differ from step to step) is
+    admitted and prefilled; then, in each of three mixed steps, A decodes while a new request is
+    admitted and prefilled (a two-token prompt; one token without the "prefill" feature), the
+    newcomer of the step before finishing. A step that holds a decode row beside a prefill is
+    where a runner that replays graphs for one-token rows and runs the rest eagerly uses the most
+    streams: an upload stream, the compute stream, an output stream for the sampled tokens. The
+    three mixed steps are delayed on cuda holding back only the step's stream 0, 1 and 2 in turn
+    (`Stress.held_stream`; nothing changes on sim): a race between two streams, such as a
+    download the host reads after waiting for another stream, shows only while the stream of its
+    late side is held back alone. Random schedules draw the held stream per delayed step, and a
+    mixed step delayed with the right one in about one in thirty. Empty where a step cannot hold
+    two requests or the cache A's five positions beside a newcomer."""
+    held = [k for k in HELD_STREAMS if k is not None]
+    fits = (
+        spec.max_num_reqs >= 2
+        and spec.max_num_tokens >= 3
+        and _blocks(spec, 2 + len(held)) <= spec.max_blocks_per_req
+        and _blocks(spec, 2 + len(held)) + 2 * _blocks(spec, 2) <= spec.num_blocks - 1
+    )
+    if not fits:
+        return []
+    first = Arrival(prompt_len=1, seed=8 if "sampling" in spec.features else None)
+    prompt = 2 if "prefill" in spec.features else 1
+    plans = [StepPlan(kind="prefill", rows=1, arrivals=(first,))]
+    for turn, stream in enumerate(held):
+        late = Stress(delay_cycles=DELAY_CYCLES, held_stream=stream)
+        plans.append(
+            StepPlan(
+                kind="mixed",
+                rows=2,
+                arrivals=(Arrival(prompt_len=prompt),),
+                finish=(1,) if turn else (),
+                stress=late,
+            )
+        )
+    return plans
 
 
 def _short_then_long_queries(spec: TargetSpec, live: int) -> list[StepPlan]:

@@ -51,6 +51,14 @@ the steps to outlast, `sleep_cycles_per_second` converting): the first sleep on 
 long, and so is any later one on a stream whose long sleep has already ended (the host waited for
 that stream in between); the others are `cycles` long, the work queued after them waiting for the
 long one anyway.
+
+Which streams: every stream late by the same hold keeps their order, and a race between two of them
+stays hidden. A download on an output stream that the host reads after waiting for another stream
+(a copy stream, the compute stream) lands before the read when both are held back: the host's wait
+on the other stream lasts the hold, and the download's hold runs meanwhile. So both scopes take
+`held_stream`: None holds back every stream; k holds back only the k-th distinct stream the step
+delays work on (counted from 0 in the order the step first queues such work there: the stream a
+`wait_stream` records on, a copy stream, an output stream), and queues no sleep on any other.
 """
 
 from __future__ import annotations
@@ -93,22 +101,27 @@ def crossing_device(one: torch.device, other: torch.device) -> torch.device | No
 
 
 @contextmanager
-def delayed_streams(cycles: int, hold_cycles: int = 0) -> Iterator[None]:
+def delayed_streams(
+    cycles: int, hold_cycles: int = 0, held_stream: int | None = None
+) -> Iterator[None]:
     """Delay every asynchronous host copy and event record by a sleep kernel on its own stream
     while the block runs, `hold_cycles` long where that stream is not already held back, else
-    `cycles` long (module docstring); torch is as it was after the block, also when it raises."""
-    sleeps = _Sleeps("delayed_streams", cycles, hold_cycles)
+    `cycles` long; with `held_stream`, only on the step's `held_stream`-th stream (module
+    docstring). Torch is as it was after the block, also when it raises."""
+    sleeps = _Sleeps("delayed_streams", cycles, hold_cycles, held_stream)
     with _delayed_event_records(sleeps), _DelayedCopies(sleeps):
         yield
 
 
 @contextmanager
-def delayed_compute(cycles: int, hold_cycles: int = 0) -> Iterator[None]:
+def delayed_compute(
+    cycles: int, hold_cycles: int = 0, held_stream: int | None = None
+) -> Iterator[None]:
     """Delay the block's computation: a sleep kernel on the current stream on entry (the eager
     kernels queued after it wait for it) and ahead of every `torch.cuda.CUDAGraph.replay` on the
-    stream it replays on, as long as `delayed_streams`'s; copies and event records are not
-    delayed. Torch is as it was after the block, also when it raises."""
-    sleeps = _Sleeps("delayed_compute", cycles, hold_cycles)
+    stream it replays on, as long as `delayed_streams`'s and on the same streams; copies and
+    event records are not delayed. Torch is as it was after the block, also when it raises."""
+    sleeps = _Sleeps("delayed_compute", cycles, hold_cycles, held_stream)
     sleeps.on(None)
     # None: the current stream, which the graph replays on.
     with _sleeping_before(torch.cuda.CUDAGraph, "replay", sleeps, lambda graph: None):
@@ -117,24 +130,38 @@ def delayed_compute(cycles: int, hold_cycles: int = 0) -> Iterator[None]:
 
 class _Sleeps:
     """The sleeps of one delayed scope: `hold` cycles on a stream no earlier long sleep of the
-    scope still holds back, `cycles` on one it does."""
+    scope still holds back, `cycles` on one it does; with `held_stream`, none on any stream but
+    the scope's `held_stream`-th."""
 
-    def __init__(self, scope: str, cycles: int, hold_cycles: int) -> None:
+    def __init__(
+        self, scope: str, cycles: int, hold_cycles: int, held_stream: int | None = None
+    ) -> None:
         if cycles < 1:
             raise ValueError(f"{scope}(cycles={cycles}): cycles must be >= 1")
         if hold_cycles < 0:
             raise ValueError(f"{scope}(hold_cycles={hold_cycles}): hold_cycles must be >= 0")
+        if held_stream is not None and held_stream < 0:
+            raise ValueError(f"{scope}(held_stream={held_stream}): held_stream must be >= 0")
         self.cycles, self.hold = cycles, max(cycles, hold_cycles)
+        self.held_stream = held_stream
+        self._order: dict[Any, int] = {}  # stream -> its place among the scope's streams
         self._holding: dict[Any, Any] = {}  # stream -> an event past its last long sleep
 
     def on(self, stream: Any) -> None:
-        """A sleep on `stream` (None: the current stream)."""
-        if self.hold == self.cycles:
+        """A sleep on `stream` (None: the current stream), if the scope holds that stream back."""
+        if self.hold == self.cycles and self.held_stream is None:
             _sleep_on(stream, self.cycles)
             return
+        if _capturing(stream):
+            # Nothing sleeps inside a capture, and asking whether an event has completed there
+            # would end the capture with an error.
+            return
         resolved = _resolved(stream)
+        place = self._order.setdefault(resolved, len(self._order))
+        if self.held_stream is not None and place != self.held_stream:
+            return
         held = self._holding.get(resolved)
-        if held is not None and not held.query():
+        if self.hold == self.cycles or (held is not None and not held.query()):
             _sleep_on(stream, self.cycles)
             return
         if _sleep_on(stream, self.hold):
@@ -239,6 +266,12 @@ def _sleeping_before(
 
 def _current_stream(device: torch.device) -> Any:
     return torch.cuda.current_stream(device)
+
+
+def _capturing(stream: Any) -> bool:
+    """Whether `stream` (None: the current stream) is capturing a CUDA graph."""
+    with torch.cuda.stream(stream):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _sleep_on(stream: Any, cycles: int) -> bool:

@@ -104,6 +104,6 @@ def delayed_step(
     all, so an unstressed step pays nothing."""
     if delays_on(backend, stress):
         if stress.late == "compute":
-            return delayed_compute(stress.delay_cycles, hold_cycles)
-        return delayed_streams(stress.delay_cycles, hold_cycles)
+            return delayed_compute(stress.delay_cycles, hold_cycles, stress.held_stream)
+        return delayed_streams(stress.delay_cycles, hold_cycles, stress.held_stream)
     return nullcontext()

@@ -47,6 +47,7 @@ from pytest_graphmode.strategies.schedules import (
     first_partial_bucket,
     first_phase_change,
     first_stale_tail,
+    first_stream_sweep,
     schedules,
 )
 
@@ -142,7 +143,7 @@ def run_campaign(
     shrunk. `shrink_seconds` bounds the shrinking (None: Hypothesis shrinks until done; 0: the
     failure is reported as found). `on_example(seed, events)` is called before each example runs.
     `pipelined=False` leaves pipelined pairs out of the schedules (docs/contract.md): every step
-    then runs in lockstep, each read before the next is sent; else the campaign's first six examples
+    then runs in lockstep, each read before the next is sent; else the campaign's first seven examples
     are fixed schedules, counted among its examples: the simplest pipelined pairs, an eager prefill
     then a replay and two replays (`first_pair`), then a graph replay paired with an eager prefill,
     a weight update before replays, the longest context and a speculative step
@@ -152,7 +153,8 @@ def run_campaign(
     graph as its queries grow, its padding rows following a larger batch's (`first_stale_tail`),
     then three requests alone on one graph in turn, each with other sampling values and adapter, a
     new request listed before a continuing one, and short then long queries on one padded size
-    (`first_handover`). `seconds` is a time budget: once that many seconds have passed since the
+    (`first_handover`), then a decode beside a prefill three times, each delayed on cuda with one
+    other stream held back alone (`first_stream_sweep`). `seconds` is a time budget: once that many seconds have passed since the
     campaign started, no new example starts and the campaign ends as passed (a failure found before
     is shrunk as always, within `shrink_seconds`); `max_examples` still caps the count.
     `cpu_threads`: torch's intra-op CPU threads while the campaign runs (None: as they are;
@@ -304,6 +306,7 @@ def _leading_schedules(spec: TargetSpec) -> list[list[StepPlan]]:
         first_front_departure(spec),
         first_stale_tail(spec),
         first_handover(spec),
+        first_stream_sweep(spec),
     ]
 
 
@@ -324,8 +327,9 @@ LEADING = (
     "speculative step; a graph captured with a padding row replaying a full batch; a request "
     "leaving the first row while a later one goes on; a batch shrinking within its graph as its"
     " queries grow; requests alone on one graph in turn, with other sampling values and "
-    "adapters, then a new request listed first and a query growing on one padded size), and its"
-    " replay ends at the failing step"
+    "adapters, then a new request listed first and a query growing on one padded size; a decode "
+    "beside a prefill with one stream held back alone in turn), and its replay ends at the "
+    "failing step"
 )
 
 NOT_REPEATED = (

@@ -698,4 +698,6 @@ def _pair_delay(first: Stress, second: Stress) -> Stress:
     if not second.delay_cycles:
         return first
     cycles = max(first.delay_cycles, second.delay_cycles)
-    return dataclasses.replace(first, delay_cycles=cycles, late=second.late)
+    return dataclasses.replace(
+        first, delay_cycles=cycles, late=second.late, held_stream=second.held_stream
+    )

@@ -9,7 +9,7 @@ import torch
 
 from pytest_graphmode.contract import Batch, Request
 from pytest_graphmode.fuzz import host_times
-from pytest_graphmode.fuzz.host_times import MAX_HOLD_SECONDS, HostTimes
+from pytest_graphmode.fuzz.host_times import HOLD_FACTOR, MAX_HOLD_SECONDS, HostTimes
 
 PREFILL = Batch(requests=(Request(req_id=0, tokens=(1, 2), context_len=0, block_ids=(1,)),))
 DECODE = Batch(requests=(Request(req_id=0, tokens=(3,), context_len=2, block_ids=(1,)),))
@@ -55,14 +55,16 @@ def test_the_hold_outlasts_twice_the_steps_it_covers(gigahertz):
     _noted(times, "eager", PREFILL, 0.01)
     _noted(times, "eager", DECODE, 0.005)
     both = times.estimate(PREFILL) + times.estimate(DECODE)
-    assert times.hold_cycles(CUDA, [PREFILL, DECODE]) == pytest.approx(2 * both * 1e9, rel=1e-6)
+    assert times.hold_cycles(CUDA, [PREFILL, DECODE]) == pytest.approx(
+        HOLD_FACTOR * both * 1e9, rel=1e-6
+    )
     assert times.hold_cycles(CUDA, [DECODE]) < times.hold_cycles(CUDA, [PREFILL, DECODE])
 
 
 def test_the_hold_is_bounded(gigahertz):
     times = HostTimes()
     _noted(times, "eager", PREFILL, MAX_HOLD_SECONDS + 0.01)
-    assert times.hold_cycles(CUDA, [PREFILL]) == pytest.approx(2 * MAX_HOLD_SECONDS * 1e9)
+    assert times.hold_cycles(CUDA, [PREFILL]) == pytest.approx(HOLD_FACTOR * MAX_HOLD_SECONDS * 1e9)
 
 
 def test_times_that_do_not_measure_run_the_step_and_note_nothing():

@@ -481,3 +481,35 @@ def test_a_campaign_sends_two_adapters_to_one_graph_where_the_spec_has_them():
     found: list[bool] = []
     draw()
     assert any(found)
+
+
+@pytest.mark.parametrize(
+    ("spec", "prompt", "sampled"),
+    [(SPEC, 2, True), (DECODE_ONLY, 1, False)],
+    ids=["prefill", "decode-only"],
+)
+def test_the_stream_sweep_decodes_beside_a_prefill_with_each_stream_held_back_in_turn(
+    spec, prompt, sampled
+):
+    events = compile_schedule(spec, schedules_module.first_stream_sweep(spec), seed=0)
+    batches = [e for e in events if isinstance(e, Batch)]
+    assert all(batch_problems(b, spec) == [] for b in batches)
+    stresses = [e for e in events if isinstance(e, Stress)]
+    assert [s.held_stream for s in stresses] == [0, 1, 2]
+    assert all(s.delay_cycles and not s.pipelined for s in stresses)
+    # each delayed step follows its stress: A decoding one token beside a newcomer's prompt
+    delayed = [events[events.index(s) + 1] for s in stresses]
+    for step, batch in enumerate(delayed):
+        first, newcomer = batch.requests
+        assert (first.req_id, first.context_len, len(first.tokens)) == (0, 1 + step, 1)
+        assert (newcomer.req_id, newcomer.context_len, len(newcomer.tokens)) == (
+            1 + step,
+            0,
+            prompt,
+        )
+    assert (batches[0].requests[0].seed is not None) == sampled
+
+
+def test_the_stream_sweep_is_left_out_where_a_step_cannot_hold_two_requests():
+    one = dataclasses.replace(SPEC, max_num_reqs=1)
+    assert schedules_module.first_stream_sweep(one) == []

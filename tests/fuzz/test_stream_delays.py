@@ -388,6 +388,7 @@ def held(sleeps, monkeypatch: pytest.MonkeyPatch) -> list[_Held]:
     monkeypatch.setattr(stream_delays, "_sleep_on", sleep_on)
     monkeypatch.setattr(stream_delays, "_resolved", lambda stream: stream or "current stream")
     monkeypatch.setattr(stream_delays, "_passed", passed)
+    monkeypatch.setattr(stream_delays, "_capturing", lambda stream: stream == "capturing stream")
     return marks
 
 
@@ -427,3 +428,52 @@ def test_a_hold_shorter_than_the_delay_is_the_delay(sleeps):
 def test_a_negative_hold_is_refused():
     with pytest.raises(ValueError, match="hold_cycles must be >= 0"), delayed_streams(1, -1):
         pass
+
+
+def test_a_held_stream_is_the_only_one_that_sleeps(sleeps, held, monkeypatch):
+    monkeypatch.setattr(torch.cuda.Event, "record", lambda event, stream=None: None)
+    with FakeTensorMode():
+        device_tensor, host = torch.empty(4, device="cuda"), torch.empty(4)
+        with delayed_streams(7, hold_cycles=700, held_stream=1):
+            host.copy_(device_tensor, non_blocking=True)  # the step's stream 0
+            torch.cuda.Event.record("event", "copy stream")  # stream 1: held back
+            host.copy_(device_tensor, non_blocking=True)
+            torch.cuda.Event.record("event", "copy stream")  # queued behind the long sleep
+            torch.cuda.Event.record("event", "output stream")  # stream 2
+    assert sleeps == [("copy stream", 700), ("copy stream", 7)]
+
+
+def test_a_held_stream_the_step_never_reaches_delays_nothing(sleeps, held, monkeypatch):
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: None)
+    with delayed_compute(13, hold_cycles=1300, held_stream=1):
+        torch.cuda.CUDAGraph.replay("graph")
+    assert sleeps == []
+
+
+def test_a_held_stream_without_a_hold_sleeps_the_delay(sleeps, held):
+    with delayed_compute(13, held_stream=0):
+        pass
+    assert sleeps == [(None, 13)]
+
+
+def test_a_negative_held_stream_is_refused():
+    with pytest.raises(ValueError, match="held_stream must be >= 0"), delayed_streams(1, 0, -1):
+        pass
+    with pytest.raises(ValueError, match="held_stream=-1 must be >= 0"):
+        Stress(delay_cycles=1, held_stream=-1)
+
+
+def test_a_held_back_stream_that_captures_is_neither_asked_nor_delayed(sleeps, held, monkeypatch):
+    monkeypatch.setattr(torch.cuda.Event, "record", lambda event, stream=None: None)
+    capturing: set[str] = set()
+    monkeypatch.setattr(stream_delays, "_capturing", lambda stream: stream in capturing)
+
+    def query() -> bool:
+        raise AssertionError("an event queried while a stream captures ends the capture")
+
+    with delayed_streams(7, hold_cycles=700):
+        torch.cuda.Event.record("event", "main stream")  # held back before the capture
+        held[0].query = query
+        capturing.add("main stream")
+        torch.cuda.Event.record("event", "main stream")
+    assert sleeps == [("main stream", 700)]

@@ -167,3 +167,34 @@ def test_a_hold_keeps_an_upload_queued_while_the_host_works_past_the_delay(be, h
         staging.fill_(2.0)
     be.synchronize()
     assert device.unique().tolist() == ([2.0] if hold else [1.0])
+
+
+@pytest.mark.parametrize("held_stream", [1, 2], ids=["output stream", "copy stream"])
+def test_a_download_read_after_waiting_for_another_stream_is_stale_only_when_its_stream_is_held(
+    be, held_stream
+):
+    """A download on an output stream, read once the host has waited for a copy stream's upload
+    (one event for both, re-recorded by the upload). With only the output stream held back the
+    download has not landed when the host reads; with only the copy stream held back the host's
+    wait outlasts it."""
+    per_second = sleep_cycles_per_second(torch.cuda.current_device())
+    out, copy = be.Stream(), be.Stream()
+    result = torch.full((WORDS,), 2.0, device=be.device)
+    host, staging = be.empty_pinned(WORDS), be.empty_pinned(WORDS)
+    host.fill_(1.0)
+    staging.fill_(3.0)
+    upload = torch.zeros(WORDS, device=be.device)
+    copies_done = be.Event()
+    with delayed_streams(1000, hold_cycles=int(0.02 * per_second), held_stream=held_stream):
+        out.wait_stream(be.current_stream())  # the step's stream 0: the current stream
+        with be.stream(out):  # stream 1
+            host.copy_(result, non_blocking=True)
+            copies_done.record()
+        copy.wait_stream(be.current_stream())
+        with be.stream(copy):  # stream 2
+            upload.copy_(staging, non_blocking=True)
+            copies_done.record()
+        copies_done.synchronize()
+        seen = host.unique().tolist()
+    be.synchronize()
+    assert seen == ([1.0] if held_stream == 1 else [2.0])
