@@ -77,7 +77,11 @@ def check_twins(factory: TargetFactory, *, seed: int, backend: str) -> None:
     (`check_target`), `state()` against the spec, and one spec for both twins.
 
     Raises one `TargetError` naming the first thing to fix; a factory or method that raises is
-    reported as one line (exception and where it was raised), not as a traceback per test.
+    reported as one line (exception and where it was raised), not as a traceback per test. A graph
+    twin whose construction raises (other than a device fault) while its eager twin is made and
+    checked without a problem is not a problem of the target's shape but a graph-mode failure (a
+    capture that reads a tensor it cannot, say): it is left to the campaigns, which report it as a
+    failure of a check with a replay snippet.
     """
     from pytest_graphmode.runtime import backends
 
@@ -89,15 +93,24 @@ def check_twins(factory: TargetFactory, *, seed: int, backend: str) -> None:
 
 def _check_twins(factory: TargetFactory, *, seed: int, backend: str) -> None:
     made: list[Any] = []
+    graph_raised: TargetError | None = None
     try:
         for mode in ("graph", "eager"):
-            target = _call(
-                f"factory({mode!r}, seed={seed}, backend={backend!r})",
-                factory,
-                mode,
-                seed=seed,
-                backend=backend,
-            )
+            try:
+                target = _call(
+                    f"factory({mode!r}, seed={seed}, backend={backend!r})",
+                    factory,
+                    mode,
+                    seed=seed,
+                    backend=backend,
+                )
+            except TargetError as exc:
+                if mode == "graph" and not _faulted(exc):
+                    graph_raised = exc  # a graph-mode failure, unless the eager twin raises too
+                    continue
+                if graph_raised is not None:  # both raised: the first is the one to report
+                    raise graph_raised from graph_raised.__cause__
+                raise
             made.append(target)
             check_target(target)
             problems = _state_problems(target, target.spec)
@@ -106,6 +119,9 @@ def _check_twins(factory: TargetFactory, *, seed: int, backend: str) -> None:
                     f"the {mode} twin's state() disagrees with its spec (see docs/contract.md, "
                     "'State is slot-major'): " + "; ".join(problems)
                 )
+        if graph_raised is not None:
+            _close_all(made)
+            return
         graph, eager = made
         if graph.spec != eager.spec:
             raise TargetError(
@@ -117,6 +133,18 @@ def _check_twins(factory: TargetFactory, *, seed: int, backend: str) -> None:
             with contextlib.suppress(Exception):  # the first problem is the one to report
                 target.close()
         raise
+    _close_all(made)
+
+
+def _faulted(exc: TargetError) -> bool:
+    """Whether the factory's error left the device unusable: nothing more can be made then, and
+    the isolated campaign's parent names the fault (`no_device_fault`) as it is."""
+    from pytest_graphmode.fuzz.registry import is_device_fault
+
+    return exc.__cause__ is not None and is_device_fault(exc.__cause__)
+
+
+def _close_all(made: list[Any]) -> None:
     for target in reversed(made):
         _call(f"{type(target).__qualname__}.close()", target.close)
 

@@ -76,3 +76,25 @@ def test_a_report_path_that_is_a_folder_is_a_usage_error(toy_project: pytest.Pyt
         toy_project, f"--graphmode-target={TOY}", f"--graphmode-report={toy_project.path}"
     )
     assert_one_usage_error(result, "report*is a directory; give a file name*")
+
+
+def test_a_graph_twin_that_raises_beside_a_working_eager_twin_is_a_failed_check(
+    toy_project: pytest.Pytester,
+) -> None:
+    # A capture that fails is a graph-mode bug, not a target of the wrong shape: the campaign
+    # reports it as a check with a replay snippet.
+    result = run_with(
+        toy_project,
+        "--graphmode-target=graphmode_toy:make_target_failing_capture",
+        "--graphmode-seed=0",
+        "--graphmode-examples=2",
+    )
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "*graphmode check 'replay_matches_eager' failed*",
+            "*RuntimeError: the captured forward read a host tensor*",
+            "*replay(events, backend='sim'*",
+        ]
+    )
+    assert "ERROR: --graphmode" not in result.stderr.str()

@@ -128,6 +128,12 @@ def make_raising_target(mode: str, *, seed: int, backend: str) -> ToyTarget:
     raise RuntimeError("cannot open the model weights")
 
 
+def make_target_failing_capture(mode: str, *, seed: int, backend: str) -> ToyTarget:
+    if mode == "graph":
+        raise RuntimeError("the captured forward read a host tensor")
+    return ToyTarget(mode, seed, logit_offset=0.0)
+
+
 def make_target_without_eager_twin(mode: str, *, seed: int, backend: str) -> ToyTarget:
     if mode == "eager":
         raise NotImplementedError("eager mode")
