@@ -677,6 +677,42 @@ def first_stream_sweep(spec: TargetSpec) -> list[StepPlan]:
     return plans
 
 
+def first_tokens_past_the_largest_graph(spec: TargetSpec) -> list[StepPlan]:
+    """The simplest schedule whose speculative step has the request count of a captured graph
+    and more tokens than the largest one. A campaign runs it as its eighth example, after
+    `first_stream_sweep`, on the same twins.
+
+    R one-token requests are admitted and decode once, then run a speculative step with k draft
+    tokens each, all accepted, and decode once more: k the fewest drafts (up to `MAX_SPEC_K`)
+    for which R = largest capture size // (1 + k) + 1 requests fit a step, so that R * (1 + k)
+    tokens are just past the largest capture size while R requests are as few as that allows. A
+    runner that decides whether a batch fits a graph by its request count alone (and not by its
+    tokens) replays the largest graph with the tokens past it cut off. A random schedule seldom
+    holds it: the draft count is drawn apart from the row count, and most speculative steps hold a
+    few rows. Empty without speculative decoding, where no such R and k fit a step's token budget
+    and request limit, or where the cache cannot hold the R requests."""
+    if "spec_decode" not in spec.features or not spec.capture_sizes:
+        return []
+    largest = spec.capture_sizes[-1]
+    for drafts in range(1, MAX_SPEC_K + 1):
+        rows = largest // (1 + drafts) + 1
+        positions = 3 + drafts  # the prompt, the first decode, the drafts, the last decode
+        fits = (
+            rows <= spec.max_num_reqs
+            and rows * (1 + drafts) <= spec.max_num_tokens
+            and positions <= _capacity(spec)
+            and rows * _blocks(spec, positions) <= spec.num_blocks - 1
+        )
+        if fits:
+            return [
+                StepPlan(kind="prefill", rows=rows, arrivals=(Arrival(prompt_len=1),) * rows),
+                StepPlan(kind="decode", rows=rows),
+                StepPlan(kind="spec", rows=rows, spec_k=drafts, accepted=drafts),
+                StepPlan(kind="decode", rows=rows),
+            ]
+    return []
+
+
 def _short_then_long_queries(spec: TargetSpec, live: int) -> list[StepPlan]:
     """Two prefill steps padded to one capture size c: c / 2 two-token prompts, then one prompt
     of c tokens (`first_handover`), beside `live` requests of three positions at most; empty

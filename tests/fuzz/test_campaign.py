@@ -29,6 +29,7 @@ from pytest_graphmode.strategies.schedules import (
     first_phase_change,
     first_stale_tail,
     first_stream_sweep,
+    first_tokens_past_the_largest_graph,
 )
 from tests.fuzz import out_of_memory_target, toy
 
@@ -168,9 +169,9 @@ def test_a_time_budget_runs_hypothesis_in_rounds_with_the_leading_examples_once(
         on_example=lambda _, e: seen.append(e),
     )
     assert stats.examples == len(seen) == rounds + 5 and not stats.stopped_by_time_budget
-    # Only the first round starts with the seven leading examples; later rounds draw as a fresh
+    # Only the first round starts with the eight leading examples; later rounds draw as a fresh
     # ci-sized run.
-    for i in range(7):
+    for i in range(8):
         assert [j for j, events in enumerate(seen) if events == seen[i]] == [i]
     assert sum(isinstance(e, Batch) for e in seen[1]) == len(first_phase_change(toy.SPEC))
     assert sum(isinstance(e, Batch) for e in seen[2]) == len(first_partial_bucket(toy.SPEC))
@@ -178,6 +179,8 @@ def test_a_time_budget_runs_hypothesis_in_rounds_with_the_leading_examples_once(
     assert sum(isinstance(e, Batch) for e in seen[4]) == len(first_stale_tail(toy.SPEC))
     assert sum(isinstance(e, Batch) for e in seen[5]) == len(first_handover(toy.SPEC))
     assert sum(isinstance(e, Batch) for e in seen[6]) == len(first_stream_sweep(toy.SPEC))
+    past = first_tokens_past_the_largest_graph(toy.SPEC)
+    assert sum(isinstance(e, Batch) for e in seen[7]) == len(past) > 0
 
 
 def test_a_failure_is_shrunk_and_reported_though_the_time_budget_is_spent():

@@ -513,3 +513,43 @@ def test_the_stream_sweep_decodes_beside_a_prefill_with_each_stream_held_back_in
 def test_the_stream_sweep_is_left_out_where_a_step_cannot_hold_two_requests():
     one = dataclasses.replace(SPEC, max_num_reqs=1)
     assert schedules_module.first_stream_sweep(one) == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "rows", "drafts"),
+    [
+        (SPEC, 5, 1),  # graphs up to 8: 5 requests of 2 tokens
+        # graphs up to 16, 8 requests a step: 9 of 2 tokens would be too many, 6 of 3 fit
+        (
+            dataclasses.replace(
+                SPEC,
+                capture_sizes=(1, 2, 4, 8, 16),
+                max_num_reqs=8,
+                max_num_tokens=24,
+                num_blocks=64,
+            ),
+            6,
+            2,
+        ),
+    ],
+    ids=["toy", "sixteen-token-graphs"],
+)
+def test_a_speculative_step_of_a_graphs_request_count_goes_just_past_the_largest_graph(
+    spec, rows, drafts
+):
+    events = compile_schedule(spec, schedules_module.first_tokens_past_the_largest_graph(spec))
+    batches = [e for e in events if isinstance(e, Batch)]
+    assert all(batch_problems(b, spec) == [] for b in batches)
+    assert [b.num_reqs for b in batches] == [rows] * 4
+    speculative = batches[2]
+    assert speculative.query_lens == (1 + drafts,) * rows
+    largest = spec.capture_sizes[-1]
+    assert largest < speculative.num_tokens <= spec.max_num_tokens
+    # every draft was accepted: the decode after it starts past all of them
+    assert [r.context_len for r in batches[3].requests] == [3 + drafts] * rows
+
+
+def test_the_tokens_past_the_largest_graph_need_speculative_decoding():
+    assert schedules_module.first_tokens_past_the_largest_graph(DECODE_ONLY) == []
+    tight = dataclasses.replace(SPEC, max_num_tokens=SPEC.capture_sizes[-1])
+    assert schedules_module.first_tokens_past_the_largest_graph(tight) == []

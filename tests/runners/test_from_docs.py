@@ -51,6 +51,9 @@ CAUGHT_BY = {
     "penalty_counts_not_cleared": "replay_matches_eager",  # a reused slot keeps its penalty counts
     "query_start_padding_stale": "replay_matches_eager",  # padding rows' query starts left stale
     "one_event_two_purposes": "no_stream_races",  # a download's event re-recorded by an upload
+    "empty_row_nan_scale": "replay_matches_eager",  # NaN of empty padding rows in a batch scale
+    "spec_tokens_past_graph": "kv_writes_land",  # a graph chosen by request count, not tokens
+    "split_step_shared_pool": "replay_matches_eager",  # one graph's output read after another's
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates), on sim as on CUDA.
@@ -98,7 +101,7 @@ ON_CUDA["side_stream_escapes_capture"] = ("replay_matches_eager", "no_device_fau
 # The padding row's update of a live request's state shows in the state after the step, or
 # (seed 2 on the H200) first in the padding rows' effect on what the step returns.
 ON_CUDA["state_slot_padding"] = ("states_match", "padding_inert")
-LEADING = 7  # the campaign's fixed leading examples (fuzz/campaign.py)
+LEADING = 8  # the campaign's fixed leading examples (fuzz/campaign.py)
 
 
 def _factory(runner: str, name: str) -> TargetFactory:
