@@ -183,6 +183,32 @@ def stresses(
     return st.one_of(st.just(Stress()), active, pairs)
 
 
+def draft_counts(spec: TargetSpec, rows: int) -> st.SearchStrategy[int]:
+    """Draft tokens per request of a speculative step of `rows` requests: any count up to
+    `MAX_SPEC_K` (what shrinking tends to), or, half of the time, one that puts the step's tokens
+    (1 + k a row) at or just below a capture size, or just past it. Drawn apart from the row
+    count, the tokens of a speculative step meet a capture size seldom, and go just past the
+    largest one hardly ever: a runner that keys its graphs by tokens pads them there, or runs a
+    batch its graphs do not fit."""
+    near = boundary_draft_counts(spec, rows)
+    anything = st.integers(1, MAX_SPEC_K)
+    return st.one_of(anything, st.sampled_from(near)) if near else anything
+
+
+def boundary_draft_counts(spec: TargetSpec, rows: int) -> list[int]:
+    """The draft counts (1 to `MAX_SPEC_K`) for which `rows` requests' tokens are the most that
+    fit a capture size, or the fewest past it, within a step's token budget."""
+    near: set[int] = set()
+    for c in spec.capture_sizes if rows else ():
+        at_most = c // rows - 1  # the most drafts whose tokens fit c
+        near |= {
+            drafts
+            for drafts in (at_most, at_most + 1)
+            if 1 <= drafts <= MAX_SPEC_K and rows * (1 + drafts) <= spec.max_num_tokens
+        }
+    return sorted(near)
+
+
 def step_kinds(spec: TargetSpec) -> st.SearchStrategy[StepKind]:
     """Mostly decode: the shape graphs serve; the other kinds probe key fields and fallbacks."""
     others = [
@@ -208,7 +234,7 @@ class _PlanStrategies:
     arrivals: st.SearchStrategy[list[Arrival]]
     finish: st.SearchStrategy[list[int]]
     preempt: st.SearchStrategy[list[int]]
-    spec_k: st.SearchStrategy[int]
+    spec_k: tuple[st.SearchStrategy[int], ...]  # by the step's rows
     accepted: tuple[st.SearchStrategy[int], ...]  # by spec_k
     chunk: st.SearchStrategy[int]
     rotate: st.SearchStrategy[int]
@@ -259,7 +285,7 @@ def _plan_strategies(
         arrivals=arrived,
         finish=finish,
         preempt=preempt,
-        spec_k=st.integers(1, MAX_SPEC_K),
+        spec_k=tuple(draft_counts(spec, rows) for rows in range(spec.max_num_reqs + 1)),
         accepted=tuple(st.integers(0, k) for k in range(MAX_SPEC_K + 1)),
         chunk=chunk,
         rotate=rotate,
@@ -278,10 +304,11 @@ def step_plans(
     """One step; its features and stressors are those of `spec` that `swarm` leaves on, its
     kind and arrivals those of its `role`."""
     parts = _plan_strategies(spec, pipelined, swarm, role)
-    spec_k = draw(parts.spec_k)
+    kind, rows = draw(parts.kind), draw(parts.rows)
+    spec_k = draw(parts.spec_k[min(rows, spec.max_num_reqs)])
     return StepPlan(
-        kind=draw(parts.kind),
-        rows=draw(parts.rows),
+        kind=kind,
+        rows=rows,
         arrivals=tuple(draw(parts.arrivals)),
         finish=tuple(draw(parts.finish)),
         preempt=tuple(draw(parts.preempt)),

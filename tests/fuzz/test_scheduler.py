@@ -553,3 +553,21 @@ def test_the_tokens_past_the_largest_graph_need_speculative_decoding():
     assert schedules_module.first_tokens_past_the_largest_graph(DECODE_ONLY) == []
     tight = dataclasses.replace(SPEC, max_num_tokens=SPEC.capture_sizes[-1])
     assert schedules_module.first_tokens_past_the_largest_graph(tight) == []
+
+
+def test_boundary_draft_counts_put_a_speculative_step_at_or_just_past_a_capture_size():
+    spec = dataclasses.replace(
+        SPEC, capture_sizes=(1, 2, 4, 8, 16), max_num_reqs=8, max_num_tokens=20, num_blocks=64
+    )
+    # six requests: 12 tokens fit 16 (and are past 8), 18 are just past 16; 24 exceed the budget
+    assert schedules_module.boundary_draft_counts(spec, 6) == [1, 2]
+    # two requests: 4 fit 4, 6 are past it, 8 fit 8, 10 are past it
+    assert schedules_module.boundary_draft_counts(spec, 2) == [1, 2, 3, 4]
+    for rows in range(1, spec.max_num_reqs + 1):
+        for drafts in schedules_module.boundary_draft_counts(spec, rows):
+            tokens = rows * (1 + drafts)
+            assert any(
+                tokens <= c < tokens + rows or tokens - rows <= c < tokens
+                for c in spec.capture_sizes
+            )
+    assert schedules_module.boundary_draft_counts(spec, 0) == []
