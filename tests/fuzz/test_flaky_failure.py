@@ -38,7 +38,9 @@ def test_a_failure_that_does_not_repeat_is_reported_as_found() -> None:
             drifts_twice,
             max_examples=60,
             max_steps=6,
-            seed=0,
+            # A seed whose failing example runs on twins no earlier example updated: on such twins
+            # the failure would be confirmed with that update replayed first, and reported so.
+            seed=1,
             shrink_seconds=30,
             pipelined=False,  # else a leading example fails, which is never shrunk
         )
