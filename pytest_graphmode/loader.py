@@ -119,21 +119,20 @@ def _check_twins(factory: TargetFactory, *, seed: int, backend: str) -> None:
                     f"the {mode} twin's state() disagrees with its spec (see docs/contract.md, "
                     "'State is slot-major'): " + "; ".join(problems)
                 )
-        if graph_raised is not None:
-            _close_all(made)
-            return
-        graph, eager = made
-        if graph.spec != eager.spec:
-            raise TargetError(
-                "the graph and the eager twin made with the same seed must have the same spec: "
-                f"{graph.spec} != {eager.spec}"
-            )
+        if graph_raised is None:
+            graph, eager = made
+            if graph.spec != eager.spec:
+                raise TargetError(
+                    "the graph and the eager twin made with the same seed must have the same "
+                    f"spec: {graph.spec} != {eager.spec}"
+                )
     except TargetError:
         for target in reversed(made):
             with contextlib.suppress(Exception):  # the first problem is the one to report
                 target.close()
         raise
-    _close_all(made)
+    for target in reversed(made):
+        _call(f"{type(target).__qualname__}.close()", target.close)
 
 
 def _faulted(exc: TargetError) -> bool:
@@ -142,11 +141,6 @@ def _faulted(exc: TargetError) -> bool:
     from pytest_graphmode.fuzz.registry import is_device_fault
 
     return exc.__cause__ is not None and is_device_fault(exc.__cause__)
-
-
-def _close_all(made: list[Any]) -> None:
-    for target in reversed(made):
-        _call(f"{type(target).__qualname__}.close()", target.close)
 
 
 def _state_problems(target: Any, spec: TargetSpec) -> list[str]:

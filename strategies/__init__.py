@@ -7,6 +7,7 @@
   and their parts, derived from a `TargetSpec`.
 - `swarm`: `swarms(spec)`, the features and stressors one schedule leaves on (swarm testing).
 - `stressors`: what happens to a target between steps (poison, churn, delays).
-- `stream_delays`: `delayed_streams(cycles, hold_cycles=0)` and `delayed_compute(...)`, the cuda
-  delays on every stream a step uses; `sleep_cycles_per_second(device)`.
+- `stream_delays`: `delayed_streams(cycles, hold_cycles=0, held_stream=None)` and
+  `delayed_compute(...)`, the cuda delays on every stream a step uses or on one alone;
+  `sleep_cycles_per_second(device)`.
 """

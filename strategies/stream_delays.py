@@ -149,12 +149,9 @@ class _Sleeps:
 
     def on(self, stream: Any) -> None:
         """A sleep on `stream` (None: the current stream), if the scope holds that stream back."""
-        if self.hold == self.cycles and self.held_stream is None:
-            _sleep_on(stream, self.cycles)
-            return
         if _capturing(stream):
-            # Nothing sleeps inside a capture, and asking whether an event has completed there
-            # would end the capture with an error.
+            # A sleep there would be recorded into the graph and replayed every time, and asking
+            # whether an event has completed there would end the capture with an error.
             return
         resolved = _resolved(stream)
         place = self._order.setdefault(resolved, len(self._order))
@@ -164,8 +161,8 @@ class _Sleeps:
         if self.hold == self.cycles or (held is not None and not held.query()):
             _sleep_on(stream, self.cycles)
             return
-        if _sleep_on(stream, self.hold):
-            self._holding[resolved] = _passed(resolved)
+        _sleep_on(stream, self.hold)
+        self._holding[resolved] = _passed(resolved)
 
 
 def _resolved(stream: Any) -> Any:
@@ -274,11 +271,8 @@ def _capturing(stream: Any) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
-def _sleep_on(stream: Any, cycles: int) -> bool:
-    """A sleep kernel on `stream` (None: the current stream), unless that stream is capturing;
-    whether it was queued."""
+def _sleep_on(stream: Any, cycles: int) -> None:
+    """A sleep kernel on `stream` (None: the current stream), which the caller has found not
+    capturing."""
     with torch.cuda.stream(stream):
-        if torch.cuda.is_current_stream_capturing():
-            return False
         torch.cuda._sleep(cycles)
-        return True

@@ -98,10 +98,11 @@ def delayed_step(
     backend: Backend, stress: Stress, hold_cycles: int = 0
 ) -> AbstractContextManager[None]:
     """The scope to run the stressed twin's step in: on cuda with `stress.delay_cycles`, every
-    asynchronous host copy and event record on any stream lands late, or the step's eager kernels
-    and graph replays where `stress.late` says "compute", by at least `hold_cycles` where no
-    earlier sleep holds their stream back (`stream_delays`); anywhere else nothing is entered at
-    all, so an unstressed step pays nothing."""
+    asynchronous host copy and event record lands late, or the step's eager kernels and graph
+    replays where `stress.late` says "compute", by at least `hold_cycles` where no earlier sleep
+    holds their stream back, on every stream or on the step's `stress.held_stream`-th alone
+    (`stream_delays`); anywhere else nothing is entered at all, so an unstressed step pays
+    nothing."""
     if delays_on(backend, stress):
         if stress.late == "compute":
             return delayed_compute(stress.delay_cycles, hold_cycles, stress.held_stream)

@@ -170,7 +170,9 @@ class KeptTwins:
         if kept.twin_seed != seed:
             # The kept twins were made with the seed of the first example run on them: a
             # factory's weights may come from that seed, which the example alone does not use.
-            made_so = self._failure_alone([Reset(seed), *updated, *events], kept.twin_seed, True)
+            made_so = self._failure_alone(
+                [Reset(seed), *updated, *events], kept.twin_seed, kept=True
+            )
             if made_so is not None:
                 note = (
                     f"\nthis failure needed twins made with seed {kept.twin_seed} (what a factory "

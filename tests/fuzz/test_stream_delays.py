@@ -84,6 +84,8 @@ def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, int]]:
         stream_delays, "_sleep_on", lambda stream, cycles: made.append((stream, cycles))
     )
     monkeypatch.setattr(stream_delays, "_current_stream", lambda device: ("current", device))
+    monkeypatch.setattr(stream_delays, "_capturing", lambda stream: False)
+    monkeypatch.setattr(stream_delays, "_resolved", lambda stream: stream or "current stream")
     return made
 
 
@@ -170,7 +172,7 @@ def test_a_sleep_goes_to_the_given_stream_when_it_is_not_capturing(monkeypatch):
 def test_nothing_sleeps_on_a_capturing_stream(monkeypatch):
     fake = _Capturing(capturing=True)
     fake.install(monkeypatch)
-    stream_delays._sleep_on("capture stream", 11)
+    stream_delays._Sleeps("delayed_streams", 11, 0).on("capture stream")
     assert fake.sleeps == []  # a sleep there would be recorded into the graph
 
 
@@ -374,21 +376,14 @@ class _Held:
 
 @pytest.fixture
 def held(sleeps, monkeypatch: pytest.MonkeyPatch) -> list[_Held]:
-    """The events marking the end of each long sleep, in order; the sleeps are always queued."""
+    """The events marking the end of each long sleep, in order."""
     marks: list[_Held] = []
-
-    def sleep_on(stream: Any, cycles: int) -> bool:
-        sleeps.append((stream, cycles))
-        return True
 
     def passed(stream: Any) -> _Held:
         marks.append(_Held())
         return marks[-1]
 
-    monkeypatch.setattr(stream_delays, "_sleep_on", sleep_on)
-    monkeypatch.setattr(stream_delays, "_resolved", lambda stream: stream or "current stream")
     monkeypatch.setattr(stream_delays, "_passed", passed)
-    monkeypatch.setattr(stream_delays, "_capturing", lambda stream: stream == "capturing stream")
     return marks
 
 
