@@ -740,6 +740,45 @@ def first_tokens_past_the_largest_graph(spec: TargetSpec) -> list[StepPlan]:
     return []
 
 
+def first_return_after_preemption(spec: TargetSpec) -> list[StepPlan]:
+    """The simplest schedule in which a preempted request comes back and decodes on a graph. A
+    campaign runs it as its ninth example, after `first_tokens_past_the_largest_graph`, on the
+    same twins.
+
+    Two requests with one-token prompts, A (sampled where the spec samples) and B, are admitted
+    and decode twice on a graph. Then A is preempted: B decodes beside C, a new one-token prompt
+    that takes the blocks A freed. Then A comes back with `context_len` 0 and computes its four
+    tokens again (one prefill chunk, or one token a step without the "prefill" feature) while B
+    and C decode, and the three decode twice more on a graph. Whatever a runner keeps per request
+    or per row and clears only when a request is new to it (counts of the tokens it produced for
+    a repetition penalty, a speculative or recurrent state, a row's sampling values), or keeps
+    from A's first life in a table or buffer (A's old block table row, now C's blocks), meets A's
+    second life here. A random schedule preempts seldom, and more seldom still in a step
+    followed by replays of the same requests. Empty where a step cannot hold three requests or
+    the cache cannot hold them."""
+    positions = 4  # A's prompt and the three tokens of its first life: what it computes again
+    recompute = 1 if "prefill" in spec.features else positions
+    longest = positions + recompute + 2  # B's positions by the last step, the longest
+    fits = (
+        min(spec.max_num_reqs, spec.max_num_tokens) >= 3
+        and _blocks(spec, longest) <= min(spec.max_blocks_per_req, spec.num_blocks - 1)
+        and 3 * _blocks(spec, longest) <= spec.num_blocks - 1
+    )
+    if not fits:
+        return []
+    seed = 9 if "sampling" in spec.features else None
+    a_and_b = (Arrival(prompt_len=1, seed=seed), Arrival(prompt_len=1))
+    plans = [
+        StepPlan(kind="prefill", rows=2, arrivals=a_and_b),
+        StepPlan(kind="decode", rows=2),
+        StepPlan(kind="decode", rows=2),
+        # A preempted; rotated by one, B and the newcomer C run, A (first in the list) waits.
+        StepPlan(kind="mixed", rows=2, preempt=(0,), arrivals=(Arrival(prompt_len=1),), rotate=1),
+    ]
+    plans += [StepPlan(kind="mixed", rows=3, chunk=positions)] * recompute
+    return plans + [StepPlan(kind="decode", rows=3)] * 2
+
+
 def _short_then_long_queries(spec: TargetSpec, live: int) -> list[StepPlan]:
     """Two prefill steps padded to one capture size c: c / 2 two-token prompts, then one prompt
     of c tokens (`first_handover`), beside `live` requests of three positions at most; empty

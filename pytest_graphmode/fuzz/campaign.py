@@ -46,6 +46,7 @@ from pytest_graphmode.strategies.schedules import (
     first_pair,
     first_partial_bucket,
     first_phase_change,
+    first_return_after_preemption,
     first_stale_tail,
     first_stream_sweep,
     first_tokens_past_the_largest_graph,
@@ -144,7 +145,7 @@ def run_campaign(
     shrunk. `shrink_seconds` bounds the shrinking (None: Hypothesis shrinks until done; 0: the
     failure is reported as found). `on_example(seed, events)` is called before each example runs.
     `pipelined=False` leaves pipelined pairs out of the schedules (docs/contract.md): every step
-    then runs in lockstep, each read before the next is sent; else the campaign's first eight examples
+    then runs in lockstep, each read before the next is sent; else the campaign's first nine examples
     are fixed schedules, counted among its examples: the simplest pipelined pairs, an eager prefill
     then a replay and two replays (`first_pair`), then a graph replay paired with an eager prefill,
     a weight update before replays, the longest context and a speculative step
@@ -156,7 +157,9 @@ def run_campaign(
     new request listed before a continuing one, and short then long queries on one padded size
     (`first_handover`), then a decode beside a prefill three times, each delayed on cuda with one
     other stream held back alone (`first_stream_sweep`), then a speculative step with the request
-    count of a graph and more tokens than the largest (`first_tokens_past_the_largest_graph`).
+    count of a graph and more tokens than the largest (`first_tokens_past_the_largest_graph`), then
+    a preempted request coming back beside one that took its blocks, and decoding on a graph
+    (`first_return_after_preemption`).
     `seconds` is a time budget: once that many seconds have passed since the
     campaign started, no new example starts and the campaign ends as passed (a failure found before
     is shrunk as always, within `shrink_seconds`); `max_examples` still caps the count.
@@ -311,6 +314,7 @@ def _leading_schedules(spec: TargetSpec) -> list[list[StepPlan]]:
         first_handover(spec),
         first_stream_sweep(spec),
         first_tokens_past_the_largest_graph(spec),
+        first_return_after_preemption(spec),
     ]
 
 
@@ -333,7 +337,8 @@ LEADING = (
     " queries grow; requests alone on one graph in turn, with other sampling values and "
     "adapters, then a new request listed first and a query growing on one padded size; a decode "
     "beside a prefill with one stream held back alone in turn; a speculative step with more "
-    "tokens than the largest graph), and its replay ends at the failing step"
+    "tokens than the largest graph; a preempted request coming back and decoding on a graph), "
+    "and its replay ends at the failing step"
 )
 
 NOT_REPEATED = (

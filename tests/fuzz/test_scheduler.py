@@ -555,6 +555,30 @@ def test_the_tokens_past_the_largest_graph_need_speculative_decoding():
     assert schedules_module.first_tokens_past_the_largest_graph(tight) == []
 
 
+@pytest.mark.parametrize("spec", [SPEC, DECODE_ONLY], ids=["prefill", "decode-only"])
+def test_a_preempted_request_comes_back_beside_the_one_that_took_its_blocks(spec):
+    events = compile_schedule(spec, schedules_module.first_return_after_preemption(spec), seed=0)
+    batches = [e for e in events if isinstance(e, Batch)]
+    assert all(batch_problems(b, spec) == [] for b in batches)
+    first_life = batches[2].requests[[r.req_id for r in batches[2].requests].index(0)]
+    assert [r.req_id for r in batches[3].requests] == [1, 2]  # A waits, C takes its blocks
+    assert set(first_life.block_ids) <= set(batches[3].requests[1].block_ids)
+    back = [next(r for r in b.requests if r.req_id == 0) for b in batches[4:]]
+    assert back[0].context_len == 0 and first_life.context_len == 2
+    # A computes its four tokens again, then decodes twice with B and C, on one-token rows
+    assert sum(len(r.tokens) for r in back[:-2]) == 4
+    assert all(b.query_lens == (1, 1, 1) and b.num_reqs == 3 for b in batches[-2:])
+    assert [r.context_len for r in back[-2:]] == [4, 5]
+
+
+def test_the_return_after_preemption_needs_three_requests_and_their_blocks():
+    assert (
+        schedules_module.first_return_after_preemption(dataclasses.replace(SPEC, max_num_reqs=2))
+        == []
+    )
+    assert schedules_module.first_return_after_preemption(TIGHT) == []
+
+
 def test_boundary_draft_counts_put_a_speculative_step_at_or_just_past_a_capture_size():
     spec = dataclasses.replace(
         SPEC, capture_sizes=(1, 2, 4, 8, 16), max_num_reqs=8, max_num_tokens=20, num_blocks=64
