@@ -149,3 +149,27 @@ def test_replay_without_capture_is_an_error(be):
     g = be.Graph()
     with pytest.raises(RuntimeError):
         g.replay()
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["torch-2.11-on", "before-2.11"])
+def test_sim_keeps_the_pinned_side_of_a_captured_copy_as_the_torch_it_runs_on_does(
+    sim, monkeypatch, kept
+):
+    from pytest_graphmode.runtime.backends.sim import backend as sim_backend
+
+    monkeypatch.setattr(sim_backend, "KEEPS_CAPTURED_PINNED_BLOCKS", kept)
+    source = sim.empty_pinned(4)
+    source.fill_(1.0)
+    static = torch.zeros(4, device=sim.device)
+    g = sim.Graph()
+    with sim.graph(g):
+        static.copy_(source, non_blocking=True)
+    del source
+    static.zero_()
+    if kept:
+        g.replay()
+        sim.synchronize()
+        assert static.tolist() == [1.0] * 4
+    else:
+        with pytest.raises(sim.UseAfterFreeError, match="freed after capture"):
+            g.replay()

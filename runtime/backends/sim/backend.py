@@ -29,7 +29,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
 from pytest_graphmode.runtime.backends.race import Race
 from pytest_graphmode.runtime.backends.sim import footprint, ops
-from pytest_graphmode.runtime.backends.sim.capture import Capture, Program
+from pytest_graphmode.runtime.backends.sim.capture import (
+    KEEPS_CAPTURED_PINNED_BLOCKS,
+    Capture,
+    Program,
+)
 from pytest_graphmode.runtime.backends.sim.device import (
     SIM_DEVICE,
     DeviceMode,
@@ -458,7 +462,8 @@ class SimBackend:
             )
         handle = self._resolve_pool(pool)
         self.scheduler.drain(origin)
-        capture = Capture(handle, _release_block)
+        kept = self._pinned if KEEPS_CAPTURED_PINNED_BLOCKS else None
+        capture = Capture(handle, _release_block, kept)
         self._active = _Active(
             graph, capture, origin, torch.initial_seed(), error_mode, {origin: False}, {origin: 0}
         )

@@ -94,6 +94,20 @@ def _describe(t: torch.Tensor) -> str:
     return f"tensor {list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
 
+def _torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+KEEPS_CAPTURED_PINNED_BLOCKS = _torch_release() >= (2, 11)
+"""Whether a pinned host block that a captured copy read or wrote stays the graph's after the
+program drops it. Torch's caching host allocator keeps such a block for the life of the graph's
+pool from release 2.11 on (pytorch#167507, measured on the H200; 2.10 not checked), so dropping
+the pinned side of a captured copy is safe there, and the sim keeps the block too. Before, the
+allocator could hand the block out again while the graph still copies through it, and the sim
+reports a replay after the drop as a use after free."""
+
+
 ReplayAccess = tuple[weakref.ref[torch.UntypedStorage], Footprint, bool]
 """A storage a replay touches (weakly held, as a graph holds addresses), the bytes, and whether it
 writes them."""
@@ -111,9 +125,11 @@ class Program:
         externals: list[_External],
         instrs: list[_Instr],
         accesses: list[ReplayAccess],
+        kept: dict[int, torch.UntypedStorage] | None = None,
     ) -> None:
         self._env = env
         self._externals = externals
+        self._kept = kept or {}  # external slot -> a pinned storage the graph keeps alive
         self._plans = [_plan(ins) for ins in instrs]
         self.accesses = accesses
         self._first_reader: dict[int, str] = {}
@@ -166,6 +182,9 @@ class Program:
 
     def _storage(self, ext: _External) -> torch.UntypedStorage:
         """The storage of an external tensor, still where the capture saw it."""
+        kept = self._kept.get(ext.idx)
+        if kept is not None:
+            return kept
         storage = ext.storage()
         if storage is not None and _dropped_by_the_program(storage):
             storage = None
@@ -222,9 +241,18 @@ def _refs(args: list[Any], kwargs: dict[str, Any]) -> list[int]:
 class Capture:
     """One capture in progress: turns intercepted operations into a Program."""
 
-    def __init__(self, pool: Any, release: Callable[[Any, torch.Tensor], None]) -> None:
+    def __init__(
+        self,
+        pool: Any,
+        release: Callable[[Any, torch.Tensor], None],
+        pinned: set[int] | None = None,
+    ) -> None:
+        """`pinned`: the addresses of pinned host storages, whose blocks a captured copy makes
+        the graph's (`KEEPS_CAPTURED_PINNED_BLOCKS`); None: the graph keeps no host block."""
         self.pool = pool
         self._release = release
+        self._pinned = pinned
+        self._kept: dict[int, torch.UntypedStorage] = {}
         self._env: list[Any] = []
         self._owned: set[int] = set()
         self._externals: list[_External] = []
@@ -257,6 +285,8 @@ class Capture:
         bake = not op.is_copy
         targs = [self._template(a, bake) for a in args]
         tkwargs = {k: self._template(v, bake) for k, v in kwargs.items()}
+        if op.is_copy and self._pinned is not None:
+            self._keep_pinned(args, targs)
         if op.is_view:
             out = func(*args, **kwargs)
             outs = list(out) if isinstance(out, tuple | list) else [out]
@@ -294,7 +324,18 @@ class Capture:
                 env[slot] = None
         refs = {fp.storage: ref for (fp, _), ref in self._touched.items()}
         accesses = [(refs[fp.storage], fp, write) for fp, write in footprint.merge(self._touched)]
-        return Program(env, self._externals, kept, accesses)
+        return Program(env, self._externals, kept, accesses, self._kept)
+
+    def _keep_pinned(self, args: tuple[Any, ...], targs: list[Any]) -> None:
+        """The pinned host sides of a captured copy, held for the life of the program."""
+        pinned = self._pinned
+        assert pinned is not None
+        for arg, template in zip(args, targs, strict=True):
+            if type(template) is not Ref or isinstance(arg, SimDeviceTensor):
+                continue
+            storage = arg.untyped_storage()
+            if storage.data_ptr() in pinned:
+                self._kept[template.idx] = storage
 
     def _touch(self, touched: list[tuple[torch.Tensor, bool]]) -> None:
         known = self._touched
