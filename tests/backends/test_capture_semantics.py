@@ -152,19 +152,24 @@ def test_replay_without_capture_is_an_error(be):
 
 
 @pytest.mark.parametrize("kept", [True, False], ids=["torch-2.11-on", "before-2.11"])
-def test_sim_keeps_the_pinned_side_of_a_captured_copy_as_the_torch_it_runs_on_does(
+def test_sim_keeps_a_pinned_block_made_in_the_capture_as_the_torch_it_runs_on_does(
     sim, monkeypatch, kept
 ):
     from pytest_graphmode.runtime.backends.sim import backend as sim_backend
 
     monkeypatch.setattr(sim_backend, "KEEPS_CAPTURED_PINNED_BLOCKS", kept)
-    source = sim.empty_pinned(4)
-    source.fill_(1.0)
     static = torch.zeros(4, device=sim.device)
+    before = sim.empty_pinned(4)
+    before.fill_(2.0)
     g = sim.Graph()
     with sim.graph(g):
-        static.copy_(source, non_blocking=True)
-    del source
+        made = sim.empty_pinned(4)
+        made.fill_(1.0)
+        static.copy_(made, non_blocking=True)
+    second = sim.Graph()
+    with sim.graph(second):
+        static.copy_(before, non_blocking=True)
+    del made, before
     static.zero_()
     if kept:
         g.replay()
@@ -173,3 +178,6 @@ def test_sim_keeps_the_pinned_side_of_a_captured_copy_as_the_torch_it_runs_on_do
     else:
         with pytest.raises(sim.UseAfterFreeError, match="freed after capture"):
             g.replay()
+    # a block made before its capture is never kept
+    with pytest.raises(sim.UseAfterFreeError, match="freed after capture"):
+        second.replay()

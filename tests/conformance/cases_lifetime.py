@@ -96,42 +96,58 @@ def input_dropped_after_its_replay_was_issued(be: Any) -> str:
     return value(be, y)
 
 
-# Torch's caching host allocator keeps a pinned block that a captured copy used for the life of
-# the graph's pool from 2.11 on (pytorch#167507), and the sim does the same under that torch.
-# Before it, the block could be handed out again while the graph still copies through it, which
-# the sim reports as a use after free.
-_PINNED_KEPT = KEEPS_CAPTURED_PINNED_BLOCKS
-_PINNED_WHY = "torch before 2.11 may hand the block out again; sim reports the replay's read"
-_PINNED = {} if _PINNED_KEPT else {"sim": "raises UseAfterFreeError", "why": _PINNED_WHY}
+# Torch's caching host allocator allocates a pinned block made during a capture to the graph's
+# pool and keeps it for the pool's life from 2.11 on (pytorch#167507), and the sim does the same
+# under that torch. Before it, the block could be handed out again while the graph still copies
+# through it, which the sim reports as a use after free. A pinned block made before the capture
+# is not kept: it goes back to the allocator with its last reference, on any release.
+_MADE_IN_CAPTURE = (
+    {}
+    if KEEPS_CAPTURED_PINNED_BLOCKS
+    else {
+        "sim": "raises UseAfterFreeError",
+        "why": "torch before 2.11 may hand the block out again; sim reports the replay's access",
+    }
+)
 
 
 def _pinned_blocks_like(be: Any, size: int, fill: float) -> list[torch.Tensor]:
     """Pinned blocks of `size` floats filled with `fill`: where the allocator hands a freed
-    block out again, one of them takes it."""
+    block out again, one of them may take it."""
     blocks = [be.empty_pinned(size) for _ in range(4)]
     for block in blocks:
         block.fill_(fill)
     return blocks
 
 
-@case("value=[1.0, 1.0, 1.0, 1.0]", **_PINNED)
-def pinned_source_dropped_after_its_captured_copy(be: Any) -> str:
+@case("replayed", sim="raises UseAfterFreeError", why=_USE_AFTER_FREE)
+def pinned_source_made_before_the_capture_dropped_after_it(be: Any) -> str:
     source = be.empty_pinned(4)
     source.fill_(1.0)
     static = torch.zeros(4, device=be.device)
     g = be.Graph()
     with be.graph(g):
         static.copy_(source, non_blocking=True)
-    del source
-    others = _pinned_blocks_like(be, 4, 9.0)
-    static.zero_()
+    del source  # back to the host allocator, which may hand it out again (seen on the H200)
     g.replay()
     be.synchronize()
-    del others
-    return value(be, static)
+    return "replayed"
 
 
-@case("value=[1.0, 1.0, 1.0, 1.0]", **_PINNED)
+@case("replayed", sim="raises UseAfterFreeError", why=_USE_AFTER_FREE)
+def pinned_destination_made_before_the_capture_dropped_after_it(be: Any) -> str:
+    result = be.empty_pinned(4)
+    x = torch.full((4,), 3.0, device=be.device)
+    g = be.Graph()
+    with be.graph(g):
+        result.copy_(x, non_blocking=True)
+    del result  # a replay may now write into a block handed out again (seen on the H200)
+    g.replay()
+    be.synchronize()
+    return "replayed"
+
+
+@case("value=[1.0, 1.0, 1.0, 1.0]", **_MADE_IN_CAPTURE)
 def pinned_source_made_in_the_capture_dropped_after_it(be: Any) -> str:
     _pinned_blocks_like(be, 4, 0.0)  # made and dropped: cached, the capture allocates none
     static = torch.zeros(4, device=be.device)
@@ -149,12 +165,13 @@ def pinned_source_made_in_the_capture_dropped_after_it(be: Any) -> str:
     return value(be, static)
 
 
-@case("intact", **_PINNED)
-def pinned_destination_dropped_after_its_captured_copy(be: Any) -> str:
-    result = be.empty_pinned(4)
+@case("intact", **_MADE_IN_CAPTURE)
+def pinned_destination_made_in_the_capture_dropped_after_it(be: Any) -> str:
+    _pinned_blocks_like(be, 4, 0.0)  # made and dropped: cached, the capture allocates none
     x = torch.full((4,), 3.0, device=be.device)
     g = be.Graph()
     with be.graph(g):
+        result = be.empty_pinned(4)
         result.copy_(x, non_blocking=True)
     del result
     others = _pinned_blocks_like(be, 4, 9.0)

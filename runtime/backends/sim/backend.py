@@ -330,6 +330,8 @@ class SimBackend:
         ptr = storage.data_ptr()
         self._pinned.add(ptr)
         weakref.finalize(storage, self._pinned.discard, ptr)
+        if self._active is not None:
+            self._active.capture.made_pinned(storage)
 
     def is_pinned(self, t: torch.Tensor) -> bool:
         """Whether `t` lies in pinned host memory."""
@@ -462,8 +464,7 @@ class SimBackend:
             )
         handle = self._resolve_pool(pool)
         self.scheduler.drain(origin)
-        kept = self._pinned if KEEPS_CAPTURED_PINNED_BLOCKS else None
-        capture = Capture(handle, _release_block, kept)
+        capture = Capture(handle, _release_block, keeps_pinned=KEEPS_CAPTURED_PINNED_BLOCKS)
         self._active = _Active(
             graph, capture, origin, torch.initial_seed(), error_mode, {origin: False}, {origin: 0}
         )

@@ -100,12 +100,13 @@ def _torch_release() -> tuple[int, int]:
 
 
 KEEPS_CAPTURED_PINNED_BLOCKS = _torch_release() >= (2, 11)
-"""Whether a pinned host block that a captured copy read or wrote stays the graph's after the
-program drops it. Torch's caching host allocator keeps such a block for the life of the graph's
-pool from release 2.11 on (pytorch#167507, measured on the H200; 2.10 not checked), so dropping
-the pinned side of a captured copy is safe there, and the sim keeps the block too. Before, the
-allocator could hand the block out again while the graph still copies through it, and the sim
-reports a replay after the drop as a use after free."""
+"""Whether a pinned host block allocated during a capture, which a captured copy reads or writes,
+stays the graph's after the program drops it. Torch's caching host allocator allocates such a
+block to the graph's pool and keeps it for the pool's life from release 2.11 on (pytorch#167507,
+measured on the H200; 2.10 not checked), so dropping it is safe there, and the sim keeps it too.
+A pinned block allocated before the capture is not kept, on CUDA as on the sim: dropped, it can be
+handed out again while the graph still copies through it (seen on the H200), and the sim reports
+a replay after the drop as a use after free, as it does for such blocks under an older torch."""
 
 
 ReplayAccess = tuple[weakref.ref[torch.UntypedStorage], Footprint, bool]
@@ -245,13 +246,15 @@ class Capture:
         self,
         pool: Any,
         release: Callable[[Any, torch.Tensor], None],
-        pinned: set[int] | None = None,
+        *,
+        keeps_pinned: bool = False,
     ) -> None:
-        """`pinned`: the addresses of pinned host storages, whose blocks a captured copy makes
-        the graph's (`KEEPS_CAPTURED_PINNED_BLOCKS`); None: the graph keeps no host block."""
+        """`keeps_pinned`: pinned host blocks allocated during the capture that a captured copy
+        reads or writes are the graph's for its life (`KEEPS_CAPTURED_PINNED_BLOCKS`)."""
         self.pool = pool
         self._release = release
-        self._pinned = pinned
+        self._keeps_pinned = keeps_pinned
+        self._made_pinned: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._kept: dict[int, torch.UntypedStorage] = {}
         self._env: list[Any] = []
         self._owned: set[int] = set()
@@ -285,7 +288,7 @@ class Capture:
         bake = not op.is_copy
         targs = [self._template(a, bake) for a in args]
         tkwargs = {k: self._template(v, bake) for k, v in kwargs.items()}
-        if op.is_copy and self._pinned is not None:
+        if op.is_copy and self._made_pinned:
             self._keep_pinned(args, targs)
         if op.is_view:
             out = func(*args, **kwargs)
@@ -326,15 +329,20 @@ class Capture:
         accesses = [(refs[fp.storage], fp, write) for fp, write in footprint.merge(self._touched)]
         return Program(env, self._externals, kept, accesses, self._kept)
 
+    def made_pinned(self, storage: torch.UntypedStorage) -> None:
+        """A pinned host block allocated while this capture runs."""
+        if self._keeps_pinned:
+            self._made_pinned[storage.data_ptr()] = weakref.ref(storage)
+
     def _keep_pinned(self, args: tuple[Any, ...], targs: list[Any]) -> None:
-        """The pinned host sides of a captured copy, held for the life of the program."""
-        pinned = self._pinned
-        assert pinned is not None
+        """The pinned host sides of a captured copy allocated during the capture, held for the
+        life of the program."""
         for arg, template in zip(args, targs, strict=True):
             if type(template) is not Ref or isinstance(arg, SimDeviceTensor):
                 continue
             storage = arg.untyped_storage()
-            if storage.data_ptr() in pinned:
+            made = self._made_pinned.get(storage.data_ptr())
+            if made is not None and made() is not None:
                 self._kept[template.idx] = storage
 
     def _touch(self, touched: list[tuple[torch.Tensor, bool]]) -> None:
