@@ -682,7 +682,7 @@ def first_stream_sweep(spec: TargetSpec) -> list[StepPlan]:
     fits = (
         spec.max_num_reqs >= 2
         and spec.max_num_tokens >= 3
-        and _blocks(spec, 2 + len(held)) <= spec.max_blocks_per_req
+        and 2 + len(held) <= _capacity(spec)
         and _blocks(spec, 2 + len(held)) + 2 * _blocks(spec, 2) <= spec.num_blocks - 1
     )
     if not fits:
@@ -761,7 +761,7 @@ def first_return_after_preemption(spec: TargetSpec) -> list[StepPlan]:
     longest = positions + recompute + 2  # B's positions by the last step, the longest
     fits = (
         min(spec.max_num_reqs, spec.max_num_tokens) >= 3
-        and _blocks(spec, longest) <= min(spec.max_blocks_per_req, spec.num_blocks - 1)
+        and longest <= _capacity(spec)
         and 3 * _blocks(spec, longest) <= spec.num_blocks - 1
     )
     if not fits:

@@ -11,9 +11,9 @@ Public API (stable; the pytest plugin is built on it):
   `pipelined=False`, the first nine examples then being fixed: the simplest pipelined pairs
   (`first_pair`), `first_phase_change`, `first_partial_bucket`, `first_front_departure`,
   `first_stale_tail`, `first_handover`, `first_stream_sweep`,
-  `first_tokens_past_the_largest_graph` and `first_return_after_preemption`; each schedule switches a random part of the features
-  and stressors off, `strategies/swarm.py`), run on twins kept across examples (`kept_twins.py`, docs/contract.md
-  "Kept twins");
+  `first_tokens_past_the_largest_graph` and `first_return_after_preemption`; each schedule
+  switches a random part of the features and stressors off, `strategies/swarm.py`), run on twins
+  kept across examples (`kept_twins.py`, docs/contract.md "Kept twins");
   the first failure is shrunk to its smallest schedule (within `shrink_seconds`, when given) and
   raised as `GraphmodeFailure` (its `.stats` holds the statistics so far). `stats` is counted
   into as the campaign runs, so its caller keeps the counts of an interrupted campaign.

@@ -49,7 +49,7 @@ def test_a_step_that_raises_is_timed_too():
     assert times.estimate(DECODE) >= 0.01
 
 
-def test_the_hold_outlasts_twice_the_steps_it_covers(gigahertz):
+def test_the_hold_outlasts_the_steps_it_covers_by_the_hold_factor(gigahertz):
     times = HostTimes()
     assert times.hold_cycles(CUDA, [PREFILL, DECODE]) == 0  # nothing measured yet
     _noted(times, "eager", PREFILL, 0.01)

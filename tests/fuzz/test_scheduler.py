@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_graphmode.contract import Batch, batch_problems
+from pytest_graphmode.contract import Batch, Request, batch_problems
 from pytest_graphmode.fuzz.lockstep import bucket_for
 from pytest_graphmode.strategies import schedules as schedules_module
 from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
@@ -560,10 +560,14 @@ def test_a_preempted_request_comes_back_beside_the_one_that_took_its_blocks(spec
     events = compile_schedule(spec, schedules_module.first_return_after_preemption(spec), seed=0)
     batches = [e for e in events if isinstance(e, Batch)]
     assert all(batch_problems(b, spec) == [] for b in batches)
-    first_life = batches[2].requests[[r.req_id for r in batches[2].requests].index(0)]
+
+    def a_in(batch: Batch) -> Request:
+        return next(r for r in batch.requests if r.req_id == 0)
+
+    first_life = a_in(batches[2])
     assert [r.req_id for r in batches[3].requests] == [1, 2]  # A waits, C takes its blocks
     assert set(first_life.block_ids) <= set(batches[3].requests[1].block_ids)
-    back = [next(r for r in b.requests if r.req_id == 0) for b in batches[4:]]
+    back = [a_in(b) for b in batches[4:]]
     assert back[0].context_len == 0 and first_life.context_len == 2
     # A computes its four tokens again, then decodes twice with B and C, on one-token rows
     assert sum(len(r.tokens) for r in back[:-2]) == 4
