@@ -28,6 +28,10 @@ class GraphHandle(Protocol):
 
     def pool(self) -> Any: ...  # an opaque pool id, to pass as `graph(..., pool=)`
 
+    # A generator besides the default one may draw in this graph's captures only once registered
+    # (torch.Generator(device=...) where a target lives); each replay then advances it.
+    def register_generator_state(self, generator: Any) -> None: ...
+
 
 class StreamHandle(Protocol):
     """A stream, shaped like `torch.cuda.Stream`."""

@@ -272,3 +272,28 @@ def test_memory_reports_answer_and_nvml_questions_are_refused_by_name() -> None:
         ]:
             with pytest.raises(SimUnsupportedError, match=rf"{name}.*pure-PyTorch"):
                 call()
+
+
+def test_the_default_device_generator_is_the_one_the_sims_draws_use() -> None:
+    with drop_in():
+        (default,) = torch.cuda.default_generators
+        default.manual_seed(5)
+        first = torch.randn(3, device="cuda")
+        torch.cuda.manual_seed(5)
+        assert torch.equal(torch.randn(3, device="cuda"), first)
+
+
+def test_a_graph_kept_for_instantiation_replays_and_a_driver_dump_names_itself() -> None:
+    with drop_in():
+        x = torch.zeros(4, device="cuda")
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with pytest.raises(RuntimeError, match="never captured"):
+            graph.instantiate()
+        with torch.cuda.graph(graph):
+            y = x + 1
+        graph.instantiate()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert y.tolist() == [1.0] * 4
+        with pytest.raises(SimUnsupportedError, match="debug_dump"):
+            graph.debug_dump("graph.dot")

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from pytest_graphmode.runtime import backends
 from tests.conformance.case import case, same
 
 _SEED = 1234
@@ -93,3 +94,138 @@ def dropout_mask_differs_per_replay(be: Any) -> str:
     g.replay()
     be.synchronize()
     return "same each replay" if same(first, y) else "differs per replay"
+
+
+# Generators besides the default one, as samplers with a generator per request hold them. They are
+# made where a target lives (on sim: the drop-in, where torch.Generator(device=...) is the sim's).
+
+
+def _generator(be: Any, seed: int = 7) -> torch.Generator:
+    return torch.Generator(device=be.device).manual_seed(seed)
+
+
+def _registered_noise_graph(be: Any, generator: torch.Generator) -> tuple[Any, torch.Tensor]:
+    g = be.Graph()
+    g.register_generator_state(generator)
+    with be.graph(g):
+        noise = torch.rand(64, device=be.device, generator=generator)
+    return g, noise
+
+
+@case("raises CaptureError")
+def unregistered_generator_draws_in_a_capture(be: Any) -> str:
+    with backends.target_scope(be.name):
+        generator = _generator(be)
+        g = be.Graph()
+        with be.graph(g):
+            torch.rand(64, device=be.device, generator=generator)
+    return "captured"
+
+
+@case("differs per replay")
+def registered_generator_advances_per_replay(be: Any) -> str:
+    with backends.target_scope(be.name):
+        g, noise = _registered_noise_graph(be, _generator(be))
+        g.replay()
+        first = noise.clone()
+        g.replay()
+        be.synchronize()
+    return "same each replay" if same(first, noise) else "differs per replay"
+
+
+@case("same draws")
+def reseeding_a_registered_generator_repeats_the_draws(be: Any) -> str:
+    with backends.target_scope(be.name):
+        generator = _generator(be)
+        g, noise = _registered_noise_graph(be, generator)
+        generator.manual_seed(_SEED)
+        g.replay()
+        first = noise.clone()
+        generator.manual_seed(_SEED)
+        g.replay()
+        be.synchronize()
+    return "same draws" if same(first, noise) else "different draws"
+
+
+@case("same draws")
+def restoring_a_registered_generators_state_repeats_the_draws(be: Any) -> str:
+    with backends.target_scope(be.name):
+        generator = _generator(be)
+        g, noise = _registered_noise_graph(be, generator)
+        state = generator.get_state()
+        g.replay()
+        first = noise.clone()
+        generator.set_state(state)
+        g.replay()
+        be.synchronize()
+    return "same draws" if same(first, noise) else "different draws"
+
+
+@case("advanced")
+def replay_advances_a_registered_generator(be: Any) -> str:
+    with backends.target_scope(be.name):
+        generator = _generator(be)
+        g, _ = _registered_noise_graph(be, generator)
+        generator.manual_seed(_SEED)
+        plain = torch.rand(64, device=be.device, generator=generator)
+        generator.manual_seed(_SEED)
+        g.replay()
+        after_replay = torch.rand(64, device=be.device, generator=generator)
+        be.synchronize()
+    return "not advanced" if same(plain, after_replay) else "advanced"
+
+
+@case("different draws")
+def two_graphs_registering_one_generator_draw_in_turn(be: Any) -> str:
+    with backends.target_scope(be.name):
+        generator = _generator(be)
+        first, first_noise = _registered_noise_graph(be, generator)
+        second, second_noise = _registered_noise_graph(be, generator)
+        generator.manual_seed(_SEED)
+        first.replay()
+        second.replay()
+        be.synchronize()
+    return "same draws" if same(first_noise, second_noise) else "different draws"
+
+
+@case("raises CaptureError")
+def generator_registered_with_another_graph_draws_in_a_capture(be: Any) -> str:
+    with backends.target_scope(be.name):
+        generator = _generator(be)
+        _registered_noise_graph(be, generator)
+        g = be.Graph()
+        with be.graph(g):
+            torch.rand(64, device=be.device, generator=generator)
+    return "captured"
+
+
+@case("raises CaptureError")
+def generator_reseeded_with_a_new_seed_during_capture(be: Any) -> str:
+    with backends.target_scope(be.name):
+        generator = _generator(be)
+        g = be.Graph()
+        g.register_generator_state(generator)
+        with be.graph(g):
+            generator.manual_seed(_SEED + 1)
+            torch.rand(64, device=be.device, generator=generator)
+    return "captured"
+
+
+@case("raises RuntimeError")
+def host_generator_draws_on_the_device(be: Any) -> str:
+    with backends.target_scope(be.name):
+        torch.rand(64, device=be.device, generator=torch.Generator().manual_seed(_SEED))
+    return "drawn"
+
+
+@case("differs per replay")
+def default_device_generator_named_in_a_capture(be: Any) -> str:
+    with backends.target_scope(be.name):
+        g = be.Graph()
+        with be.graph(g):
+            noise = torch.rand(64, device=be.device, generator=torch.cuda.default_generators[0])
+        g.replay()
+        first = noise.clone()
+        g.replay()
+        be.synchronize()
+    return "same each replay" if same(first, noise) else "differs per replay"

@@ -8,6 +8,7 @@ from tests.conformance import (
     cases_frees,
     cases_graph,
     cases_lifetime,
+    cases_ops,
     cases_pools,
     cases_replay,
     cases_rng,
@@ -18,6 +19,7 @@ from tests.conformance.case import CASES, Case
 # Importing a case module registers its cases; the tuple keeps the imports meaningful to linters.
 MODULES = (
     cases_capture,
+    cases_ops,
     cases_replay,
     cases_pools,
     cases_graph,

@@ -41,8 +41,9 @@ from pytest_graphmode.runtime.backends.sim.device import (
     mark_device,
 )
 from pytest_graphmode.runtime.backends.sim.frees import StreamOrderedFrees
+from pytest_graphmode.runtime.backends.sim.generators import is_device_generator
 from pytest_graphmode.runtime.backends.sim.happens_before import HOST, RaceChecker, Touch
-from pytest_graphmode.runtime.backends.sim.limits import check_runnable
+from pytest_graphmode.runtime.backends.sim.limits import SimUnsupportedError, check_runnable
 from pytest_graphmode.runtime.backends.sim.ops import OpFacts
 from pytest_graphmode.runtime.backends.sim.pool import SimCapturePool, SimPoolHandle, poison_
 from pytest_graphmode.runtime.backends.sim.streams import (
@@ -120,6 +121,19 @@ class SimGraph:
         self._backend = current_backend()
         self._program: Program | None = None
         self._pool: Any = None
+        # generators besides the default whose draws this graph may capture
+        self._generators: list[Any] = []
+
+    def register_generator_state(self, generator: Any) -> None:
+        """Let this graph's captures draw from `generator`, a device generator: each replay
+        advances it and draws what its seed and offset give then (generators.py)."""
+        if not is_device_generator(generator):
+            raise RuntimeError(
+                f"register_generator_state takes a device generator (torch.Generator(device="
+                f"'cuda')); got one for {generator.device}"
+            )
+        if not any(generator is g for g in self._generators):
+            self._generators.append(generator)
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         self._backend._begin_capture(self, pool, capture_error_mode)
@@ -134,6 +148,29 @@ class SimGraph:
 
     def reset(self) -> None:
         self._program = None
+
+    def instantiate(self) -> None:
+        """A sim graph is ready to replay when its capture ends (CUDA instantiates a
+        `keep_graph=True` graph here, or at its first replay)."""
+        if self._program is None:
+            raise RuntimeError("instantiate() of a graph that was never captured, or was reset")
+
+    def enable_debug_mode(self) -> None:
+        """Nothing to keep: the sim's graph is its recorded program."""
+
+    def debug_dump(self, debug_path: str) -> None:
+        raise SimUnsupportedError(
+            "CUDAGraph.debug_dump (a CUDA driver graph, which the sim has not)"
+        )
+
+    def raw_cuda_graph(self) -> Any:
+        raise SimUnsupportedError("CUDAGraph.raw_cuda_graph (a CUDA driver graph handle)")
+
+    def raw_cuda_graph_exec(self) -> Any:
+        raise SimUnsupportedError("CUDAGraph.raw_cuda_graph_exec (a CUDA driver graph handle)")
+
+    def get_graph_data(self) -> Any:
+        raise SimUnsupportedError("CUDAGraph.get_graph_data (a CUDA driver graph's nodes)")
 
     def pool(self) -> Any:
         if self._pool is None:
@@ -508,6 +545,13 @@ class SimBackend:
                 f"{active.seed}: a generator can only be re-seeded with the same seed while a "
                 "stream is capturing"
             )
+
+    def capturing_here(self) -> _Active | None:
+        """The capture the current stream takes part in, if any."""
+        active = self._active
+        if active is not None and self._current in active.unjoined:
+            return active
+        return None
 
     def _require_active(self, graph: SimGraph) -> _Active:
         if self._active is None or self._active.graph is not graph:

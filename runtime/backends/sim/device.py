@@ -26,6 +26,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _device as torch_default_device
 
+from pytest_graphmode.runtime.backends.sim.generators import check_draw
+
 if TYPE_CHECKING:
     from pytest_graphmode.runtime.backends.sim.backend import SimBackend
 
@@ -111,6 +113,8 @@ class DeviceMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if kwargs is None:
             kwargs = {}
+        elif kwargs.get("generator") is not None and _on_the_device(func, args, kwargs):
+            check_draw(self.backend, kwargs["generator"])
         handler = _HANDLERS.get(func)
         if handler is not None:
             return handler(self.backend, func, args, kwargs)
@@ -123,6 +127,17 @@ class DeviceMode(TorchFunctionMode):
         if kwargs and ("device" in kwargs or "pin_memory" in kwargs):
             return _factory(self.backend, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _on_the_device(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call runs on the sim device: it names the device, or torch's default device is
+    the sim's and `func` makes tensors, or a tensor argument lives there."""
+    device = kwargs.get("device")
+    if device is not None:
+        return is_sim_device(device)
+    if torch_default_device.CURRENT_DEVICE is not None and _default_sim_device(func) is not None:
+        return True
+    return any(isinstance(a, SimDeviceTensor) for a in args)
 
 
 def _default_sim_device(func: Any) -> torch.device | None:
@@ -270,6 +285,20 @@ def _type_as(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict
     return _to(backend, torch.Tensor.to, (args[0], other), {})
 
 
+def _one_hot(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # torch's one_hot checks the class values on the host, with .item(), on every device but
+    # CUDA, which leaves them to the scatter's device-side assert: for a device input with
+    # num_classes given, the sim does what CUDA does, so a capture takes it. Without
+    # num_classes, CUDA too reads the largest value on the host.
+    index = args[0] if args else kwargs["input"]
+    classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+    if not on_device(index) or classes == -1:
+        return func(*args, **kwargs)
+    if index.dtype != torch.int64:
+        raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
+    return index.new_zeros((*index.shape, classes)).scatter_(-1, index.unsqueeze(-1), 1)
+
+
 _PARAMETER_CLASSES = (torch.nn.Parameter, SimDeviceParameter)
 _UPLOADS = {torch.tensor, torch.as_tensor, torch.asarray}
 
@@ -281,6 +310,7 @@ _HANDLERS: dict[Any, _Handler] = {
     torch.Tensor.is_pinned: _is_pinned,
     torch.Tensor.new_tensor: _new_tensor,
     torch.Tensor.type_as: _type_as,
+    torch.nn.functional.one_hot: _one_hot,
     # `x.data = y`: the property's setter, as torch function modes see it
     torch._C.TensorBase.__dict__["data"].__set__: _set_data,
 }

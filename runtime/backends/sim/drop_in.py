@@ -28,6 +28,7 @@ import torch.cuda.streams
 
 from pytest_graphmode.runtime.backends.sim.backend import SimBackend, SimGraph, current_backend
 from pytest_graphmode.runtime.backends.sim.device import is_sim_device
+from pytest_graphmode.runtime.backends.sim.generators import check_reseed
 from pytest_graphmode.runtime.backends.sim.limits import SimUnsupportedError
 from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream
 
@@ -120,6 +121,11 @@ class SimGenerator(torch._C.Generator):
     @property
     def device(self) -> torch.device:  # type: ignore[override]
         return torch.device("cuda", 0)
+
+    def manual_seed(self, seed: Any) -> SimGenerator:
+        check_reseed(current_backend(), self, seed)
+        super().manual_seed(seed)
+        return self
 
 
 def _one_device(device: Any = None) -> None:
@@ -387,6 +393,8 @@ def _submodule_surface(surface: dict[str, Any]) -> list[tuple[Any, str, Any]]:
         (torch.cuda.streams, "Stream", SimStream),
         (torch.cuda.streams, "Event", SimEvent),
         (torch.cuda.nvtx, "_nvtx", _SimNvtx()),
+        # The device's default generator: the global one, which the sim's device draws use.
+        (torch.cuda, "default_generators", (torch.default_generator,)),
     ]
 
 

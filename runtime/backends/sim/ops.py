@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_map
 
+from pytest_graphmode.runtime.backends.sim.device import SimDeviceTensor
+
 aten = torch.ops.aten
 
 # Reading a device value on the host, or producing a shape only known after computing.
@@ -31,6 +33,8 @@ _DATA_DEPENDENT = {
     "unique_dim",
     "unique_consecutive",
     "unique_dim_consecutive",
+    # CUDA reads the largest value on the host to size the output, also with a minlength
+    "bincount",
 }
 # Allocation without computation: a replay has nothing to do for these.
 EMPTY_OPS = {
@@ -81,7 +85,21 @@ _ARGUMENT_CHECKED = {
     aten.index.Tensor,
     aten.index_put_.default,
     aten.index_put.default,
+    aten.histc.default,
+    aten.masked_fill.Tensor,
+    aten.masked_fill_.Tensor,
+    aten.index_fill.int_Tensor,
+    aten.index_fill_.int_Tensor,
 }
+# Operations whose CUDA kernel reads a 0-dim tensor value on the host (`value.item()`), and the
+# position of that value: a device tensor there is a host read.
+_VALUE_READ_ON_THE_HOST = {
+    aten.masked_fill.Tensor: 2,
+    aten.masked_fill_.Tensor: 2,
+    aten.index_fill.int_Tensor: 3,
+    aten.index_fill_.int_Tensor: 3,
+}
+_MASK_DTYPES = (torch.bool, torch.uint8)
 
 
 class OpFacts:
@@ -170,11 +188,64 @@ def capture_violation(op: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) 
         kwargs.get("output_size") is None
     ):
         return "repeat_interleave without output_size (its output shape depends on device values)"
-    if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
-        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in flat(args[1])
+    if func in (aten.index_put_.default, aten.index_put.default):
+        return _index_put_violation(args, kwargs)
+    if func is aten.index.Tensor and any(_is_mask(i) for i in flat(args[1])):
+        return _MASK_INDEXING
+    if func is aten.histc.default and _argument(args, kwargs, 2, "min", 0) == _argument(
+        args, kwargs, 3, "max", 0
     ):
-        return "boolean-mask indexing (it computes nonzero and syncs with the host)"
+        return "histc without a range (min == max: CUDA reads the data's range on the host)"
+    position = _VALUE_READ_ON_THE_HOST.get(func)
+    if position is not None and _on_device(_argument(args, kwargs, position, "value", None)):
+        return (
+            f"{op.name} with a device tensor as its value (CUDA reads it on the host, as "
+            ".item()): pass a Python number, or use torch.where"
+        )
     return None
+
+
+_MASK_INDEXING = "boolean-mask indexing (it computes nonzero and syncs with the host)"
+
+
+def _index_put_violation(args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
+    """`x[index] = value` in a capture, as CUDA's index_put_ takes it: one boolean mask on the
+    device and a one-element host value (a Python number) become a masked_fill, which is
+    captured; any other mask computes nonzero; any other host value is copied to the device
+    first (a blocking copy)."""
+    indices = [i for i in flat(args[1]) if isinstance(i, torch.Tensor)]
+    value = args[2]
+    accumulate = bool(_argument(args, kwargs, 3, "accumulate", False))
+    masks = [i for i in indices if _is_mask(i)]
+    host_value = isinstance(value, torch.Tensor) and not _on_device(value)
+    if masks:
+        fill = len(indices) == 1 and _on_device(masks[0]) and not accumulate
+        if fill and host_value and value.numel() == 1:
+            return None
+        return _MASK_INDEXING
+    if host_value:
+        return (
+            "an index assignment of a host value (a Python number or a CPU tensor): CUDA copies "
+            "it to the device first, a blocking copy. Assign a device tensor, or use a boolean "
+            "mask with a number (a masked_fill)"
+        )
+    return None
+
+
+def _is_mask(index: Any) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype in _MASK_DTYPES
+
+
+def _on_device(value: Any) -> bool:
+    return isinstance(value, SimDeviceTensor)
+
+
+def _argument(
+    args: Sequence[Any], kwargs: dict[str, Any], position: int, name: str, default: Any
+) -> Any:
+    if position < len(args):
+        return args[position]
+    return kwargs.get(name, default)
 
 
 def _operation_violation(func: Any) -> str | None:
