@@ -54,10 +54,17 @@ CAUGHT_BY = {
     "empty_row_nan_scale": "replay_matches_eager",  # NaN of empty padding rows in a batch scale
     "spec_tokens_past_graph": "kv_writes_land",  # a graph chosen by request count, not tokens
     "split_step_shared_pool": "replay_matches_eager",  # one graph's output read after another's
+    "cached_index_evicted": "replay_matches_eager",  # a memoized index freed under its graph
+    "workspace_resized": "replay_matches_eager",  # a scratch buffer rebound when it grows
+    "recurrent_state_not_reset": "replay_matches_eager",  # a recycled state slot not cleared
+    "kv_cache_reallocated": "kv_writes_land",  # a reload moves the KV cache from under the graphs
+    "generator_not_registered": "replay_matches_eager",  # a private generator drawn in a capture
+    "greedy_graph_for_sampled": "replay_matches_eager",  # the all-greedy branch baked in a graph
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
-# stream's work outside the capture allocates), on sim as on CUDA.
-AT_START_UP = {"side_stream_escapes_capture"}
+# stream's work outside the capture allocates; a draw from a generator the graph did not
+# register), on sim as on CUDA.
+AT_START_UP = {"side_stream_escapes_capture", "generator_not_registered"}
 # Data-parallel runners, run on two ranks (gloo on sim): the check that catches the bug, and the
 # examples a campaign may take (seed 0 took 4).
 RANK_RUNNERS = {"dp_local_bucket": "ranks_arrive"}  # each rank pads to its own bucket
@@ -93,6 +100,11 @@ ON_CUDA["rope_table_one_short"] = ("replay_matches_eager", "no_device_fault")
 ON_CUDA["int32_view_made_once"] = ("replay_matches_eager", "no_device_fault")
 # A capture CUDA refuses raises a CUDA error, which the harness takes for a device fault.
 ON_CUDA["side_stream_escapes_capture"] = ("replay_matches_eager", "no_device_fault")
+# A graph that reads memory freed under it reads whatever the allocator put there since: on a
+# GPU an index past a table (seeds 0-2 of the evicted index faulted the device) or values that
+# change what the step returns (seeds 0-2 of the rebound workspace: a sampled token).
+ON_CUDA["cached_index_evicted"] = RACE_ON_CUDA
+ON_CUDA["workspace_resized"] = RACE_ON_CUDA
 # The padding row's update of a live request's state shows in the state after the step, or
 # (seed 2 on the H200) first in the padding rows' effect on what the step returns.
 ON_CUDA["state_slot_padding"] = ("states_match", "padding_inert")
