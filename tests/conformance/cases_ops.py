@@ -112,3 +112,21 @@ def one_hot_with_its_number_of_classes(be: Any) -> str:
 @case(_REFUSED)
 def one_hot_without_its_number_of_classes(be: Any) -> str:
     return _attempt(be, lambda x, i: torch.nn.functional.one_hot(i))
+
+
+@case("[3, 4] on the device")
+def one_hot_outside_a_capture_counts_its_classes(be: Any) -> str:
+    ids = torch.tensor([1, 0, 3], device=be.device)
+    hot = torch.nn.functional.one_hot(ids)
+    where = "on the device" if hot.device == ids.device else "on the host"
+    return f"{list(hot.shape)} {where}"
+
+
+@case(_REFUSED)
+def normal_with_a_tensor_std_checks_it_on_the_host(be: Any) -> str:
+    return _attempt(be, lambda x, i: torch.normal(x, torch.ones_like(x)))
+
+
+@case("captured")
+def normal_with_a_number_std(be: Any) -> str:
+    return _attempt(be, lambda x, i: torch.normal(x, 1.0))

@@ -186,3 +186,83 @@ def a_wait_is_bound_to_the_record_before_it(be: Any) -> str:
         be.set_scheduler_seed(seed)
         outcomes.add(trial())
     return " / ".join(sorted(outcomes))
+
+
+@case("value=[2.0, 2.0]")
+def one_graph_launched_on_two_streams_runs_one_launch_at_a_time(be: Any) -> str:
+    # CUDA orders a graph's launch behind its previous launch, whatever stream that ran on: the
+    # second stream's replay waits for the first's, which waits for the work before it.
+    x = torch.zeros(2, device=be.device)
+    g = be.Graph()
+    with be.graph(g):
+        x.add_(1)
+    first, second = be.Stream(), be.Stream()
+    first.wait_stream(be.current_stream())
+    second.wait_stream(be.current_stream())
+    with be.stream(first):
+        busy(be)
+        g.replay()
+    with be.stream(second):
+        g.replay()
+        seen = x.cpu()
+    return f"value={seen.tolist()}"
+
+
+def _recorded_in_a_graph(be: Any, event: Any) -> tuple[Any, torch.Tensor]:
+    x = torch.ones(2, device=be.device)
+    g = be.Graph()
+    with be.graph(g):
+        busy(be)
+        x.add_(1)
+        event.record()
+    return g, x
+
+
+@case("refused")
+def event_recorded_in_a_capture_waited_for_outside_the_graph(be: Any) -> str:
+    event = be.Event()
+    g, _ = _recorded_in_a_graph(be, event)
+    g.replay()
+    try:
+        be.Stream().wait_event(event)
+        be.synchronize()
+    except RuntimeError:
+        return "refused"
+    return "waited"
+
+
+@case("refused")
+def event_recorded_in_a_capture_synchronized_outside_the_graph(be: Any) -> str:
+    event = be.Event()
+    g, _ = _recorded_in_a_graph(be, event)
+    g.replay()
+    try:
+        event.synchronize()
+    except RuntimeError:
+        return "refused"
+    return "synchronized"
+
+
+@case("value=[4.0, 4.0]")
+def external_event_recorded_in_a_capture_is_waited_for_outside(be: Any) -> str:
+    event = be.Event(external=True)
+    g, x = _recorded_in_a_graph(be, event)
+    g.replay()
+    other = be.Stream()
+    other.wait_event(event)
+    with be.stream(other):
+        seen = (x * 2).cpu()
+    return f"value={seen.tolist()}"
+
+
+@case("value=[4.0, 4.0]")
+def event_recorded_again_after_the_replay_is_waited_for(be: Any) -> str:
+    event = be.Event()
+    g, x = _recorded_in_a_graph(be, event)
+    g.replay()
+    event.record()
+    other = be.Stream()
+    other.wait_event(event)
+    with be.stream(other):
+        seen = (x * 2).cpu()
+    return f"value={seen.tolist()}"

@@ -94,6 +94,8 @@ class _Active:
     # member stream -> whether it has work not yet joined back into the origin
     unjoined: dict[SimStream, bool] = field(default_factory=dict)
     ops_on: dict[SimStream, int] = field(default_factory=dict)
+    # events made with external=True recorded in the capture: each replay records them again
+    external_events: list[SimEvent] = field(default_factory=list)
 
 
 def _tensors(args: Any, kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -399,6 +401,7 @@ class SimBackend:
                 ):
                     active.unjoined[event.recorded_on] = False
                 return
+        self._check_captured_record(event, "a stream's wait")
         marker = event.marker
         if active is not None and stream in active.unjoined and marker is not None:
             raise active.capture.fail(
@@ -420,14 +423,28 @@ class SimBackend:
             event.capture_position = (active, active.ops_on[stream])
             event.marker = None
             event.clock = None
+            if event.external and event not in active.external_events:
+                active.external_events.append(event)
             return
         event.capture_position = None
         event.marker = new_marker(stream)
         event.clock = self._races.record(self._races.agent(stream))
         self.scheduler.enqueue(stream, event.marker)
 
+    @staticmethod
+    def _check_captured_record(event: SimEvent, what: str) -> None:
+        """CUDA refuses to wait for or on an event whose last record is a node of a graph (a
+        record inside a capture), unless the event was made with external=True."""
+        if event.capture_position is not None and not event.external:
+            raise RuntimeError(
+                f"invalid argument (as CUDA reports it): {what} of an event last recorded inside a graph "
+                "capture; make it with torch.cuda.Event(external=True) to use it outside the "
+                "graph, or record it again outside"
+            )
+
     def event_query(self, event: SimEvent) -> bool:
         self._forbid_in_capture("Event.query()")
+        self._check_captured_record(event, "Event.query()")
         self.scheduler.maybe_progress()
         done = event.marker is None or event.marker.done
         if done and event.clock is not None:
@@ -436,6 +453,7 @@ class SimBackend:
 
     def event_synchronize(self, event: SimEvent) -> None:
         self._forbid_in_capture("Event.synchronize()")
+        self._check_captured_record(event, "Event.synchronize()")
         if event.marker is not None:
             self.scheduler.run_until(event.marker)
         if event.clock is not None:
@@ -526,6 +544,7 @@ class SimBackend:
         # Internal: instantiating the graph computes views of its own memory, which are no
         # scheduling points for queued work and no operations of the caller.
         graph._program = self._internal(active.capture.finish)
+        graph._program.external_events = active.external_events
 
     def _abort_capture(self, graph: SimGraph) -> None:
         """End `graph`'s capture, if it is under way, keeping nothing of it. (A graph whose
@@ -573,6 +592,11 @@ class SimBackend:
         active = self._active
         if active is not None and self._current in active.unjoined:
             raise active.capture.fail("replaying a graph inside a capture is not supported by sim")
+        previous = program.last_launch
+        if previous is not None and previous.recorded_on is not self._current:
+            # CUDA runs one launch of a graph at a time: a launch on another stream waits for the
+            # last one (two different graphs run side by side).
+            self.stream_wait_event(self._current, previous)
         # Internal: the check's own tensor operations are no scheduling points for queued work.
         storages = self._internal(program.live_storages)
         # Asynchronous, as on a GPU, even on the default stream: replay() returns before the graph
@@ -593,6 +617,11 @@ class SimBackend:
 
         run = self._after_watches(watches, functools.partial(program.run, storages))
         self.scheduler.enqueue(self._current, new_work(run, "graph replay"))
+        launched = SimEvent()
+        self.event_record(launched, self._current)
+        program.last_launch = launched
+        for event in program.external_events:  # where the graph records them: once it has run
+            self.event_record(event, self._current)
 
     # -- dispatch ------------------------------------------------------------------------------
 

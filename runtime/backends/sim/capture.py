@@ -133,6 +133,10 @@ class Program:
         self._kept = kept or {}  # external slot -> a pinned storage the graph keeps alive
         self._plans = [_plan(ins) for ins in instrs]
         self.accesses = accesses
+        # An event recorded after the last launch (SimBackend._launch): CUDA orders a graph's
+        # launch behind its previous launch, on whichever stream that ran.
+        self.last_launch: Any = None
+        self.external_events: list[Any] = []  # events made with external=True it records
         self._first_reader: dict[int, str] = {}
         for ins in instrs:
             for ref in _refs(ins.args, ins.kwargs):

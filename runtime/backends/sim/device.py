@@ -287,15 +287,18 @@ def _type_as(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict
 
 def _one_hot(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     # torch's one_hot checks the class values on the host, with .item(), on every device but
-    # CUDA, which leaves them to the scatter's device-side assert: for a device input with
-    # num_classes given, the sim does what CUDA does, so a capture takes it. Without
-    # num_classes, CUDA too reads the largest value on the host.
+    # CUDA, which leaves them to the scatter's device-side assert. For a device input the sim
+    # does what CUDA does: a capture takes it with num_classes given; without, CUDA too reads
+    # the largest value on the host. (torch's own version would also make its output on the
+    # host: the sim device's tensors are CPU tensors to C++.)
     index = args[0] if args else kwargs["input"]
     classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
-    if not on_device(index) or classes == -1:
+    if not on_device(index):
         return func(*args, **kwargs)
     if index.dtype != torch.int64:
         raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
+    if classes == -1:
+        classes = int(index.max()) + 1  # a host read, as on CUDA
     return index.new_zeros((*index.shape, classes)).scatter_(-1, index.unsqueeze(-1), 1)
 
 

@@ -23,6 +23,9 @@ _HOST_READS = {
     aten._local_scalar_dense.default: "a host read of a device value (.item(), bool(t), int(t))",
     aten.equal.default: "a host read of a device value (torch.equal)",
     aten.is_nonzero.default: "a host read of a device value (bool(t))",
+    # CUDA checks a tensor std >= 0 with .item() (a tensor mean with a number std is not read)
+    aten.normal.Tensor_Tensor: "normal with a tensor std (CUDA checks std >= 0 on the host)",
+    aten.normal.float_Tensor: "normal with a tensor std (CUDA checks std >= 0 on the host)",
 }
 _DATA_DEPENDENT = {
     "nonzero",

@@ -187,12 +187,19 @@ class SimEvent:
     """A point in a stream, shaped like torch.cuda.Event."""
 
     def __init__(
-        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+        self,
+        enable_timing: bool = False,
+        blocking: bool = False,
+        interprocess: bool = False,
+        external: bool = False,
     ) -> None:
         from pytest_graphmode.runtime.backends.sim.backend import current_backend
 
         self._backend = current_backend()
         self.enable_timing = enable_timing
+        # Recorded inside a capture, it may still be waited for outside the graph (CUDA's
+        # external event record node).
+        self.external = external
         self.marker: _Marker | None = None
         self.recorded_on: SimStream | None = None
         self.capture_position: tuple[object, int] | None = None
