@@ -60,14 +60,22 @@ CAUGHT_BY = {
     "kv_cache_reallocated": "kv_writes_land",  # a reload moves the KV cache from under the graphs
     "generator_not_registered": "replay_matches_eager",  # a private generator drawn in a capture
     "greedy_graph_for_sampled": "replay_matches_eager",  # the all-greedy branch baked in a graph
+    "pad_slot_wraps_to_last": "states_match",  # padding slot -1 indexes the cache's last slot
+    "piecewise_attention_out_fresh": "replay_matches_eager",  # a piece reads a freed output
+    "max_seq_len_read_racing": "no_stream_races",  # seq_lens read back before their upload
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
-# register), on sim as on CUDA.
-AT_START_UP = {"side_stream_escapes_capture", "generator_not_registered"}
+# register), on sim as on CUDA; a warm-up of padding rows writes the cache's last slot.
+AT_START_UP = {"side_stream_escapes_capture", "generator_not_registered", "pad_slot_wraps_to_last"}
 # Data-parallel runners, run on two ranks (gloo on sim): the check that catches the bug, and the
-# examples a campaign may take (seed 0 took 4).
-RANK_RUNNERS = {"dp_local_bucket": "ranks_arrive"}  # each rank pads to its own bucket
+# examples a campaign may take (seed 0 took 4 and 5).
+RANK_RUNNERS: dict[str, str | tuple[str, ...]] = {
+    "dp_local_bucket": "ranks_arrive",  # each rank pads to its own bucket
+    # each rank decides graph or eager from its own batch: the ranks take different paths, or
+    # their exchanges differ in size and one rank dies in it (seed 0)
+    "dp_graph_mode_disagrees": ("ranks_arrive", "ranks_agree"),
+}
 RANK_BUDGET = 12
 # The bug no leading example is built for, and the examples a campaign may take to find it on sim:
 # the padding token's activation must be the batch's largest, which the drawn token values decide
@@ -105,6 +113,7 @@ ON_CUDA["side_stream_escapes_capture"] = ("replay_matches_eager", "no_device_fau
 # change what the step returns (seeds 0-2 of the rebound workspace: a sampled token).
 ON_CUDA["cached_index_evicted"] = RACE_ON_CUDA
 ON_CUDA["workspace_resized"] = RACE_ON_CUDA
+ON_CUDA["piecewise_attention_out_fresh"] = RACE_ON_CUDA
 # The padding row's update of a live request's state shows in the state after the step, or
 # (seed 2 on the H200) first in the padding rows' effect on what the step returns.
 ON_CUDA["state_slot_padding"] = ("states_match", "padding_inert")
@@ -125,7 +134,8 @@ def _passes(runner: str, backend: str) -> None:
     factory = _factory(runner, "make_target")
     stats = run_campaign(factory, backend=backend, max_examples=2 * LEADING, max_steps=8, seed=0)
     assert stats.failures == []
-    assert stats.paths["full"] > 0  # it replays graphs: the campaign tested graph mode
+    # it replays graphs, whole or in pieces: the campaign tested graph mode
+    assert stats.paths["full"] + stats.paths["piecewise"] > 0
 
 
 @pytest.mark.parametrize("runner", sorted(CAUGHT_BY))
