@@ -201,3 +201,52 @@ def test_cuda_has_no_race_checker():
     from pytest_graphmode.runtime import backends
 
     assert backends.get("cuda").take_races() is None
+
+
+@pytest.mark.parametrize("same_graph", [True, False])
+def test_two_launches_of_one_graph_on_two_streams_are_ordered_two_graphs_are_not(sim, same_graph):
+    # CUDA runs one launch of a graph at a time, whatever stream it is on; two graphs run side by
+    # side. Both graphs write x, so only the ordering decides whether the second write races.
+    x = torch.zeros(8, device=sim.device)
+    graphs = [sim.Graph(), sim.Graph()]
+    for g in graphs:
+        with sim.graph(g):
+            x.add_(1)
+    first, second = sim.Stream(), sim.Stream()
+    first.wait_stream(sim.current_stream())
+    second.wait_stream(sim.current_stream())
+    sim.take_races()
+    with sim.stream(first):
+        graphs[0].replay()
+    with sim.stream(second):
+        graphs[0 if same_graph else 1].replay()
+    sim.synchronize()
+    races = sim.take_races()
+    if same_graph:
+        assert races == [], [r.describe() for r in races]
+        assert x.tolist() == [2.0] * 8
+    else:
+        assert [(r.earlier.op, r.later.op) for r in races] == [("graph replay", "graph replay")]
+
+
+@pytest.mark.parametrize("external", [True, False])
+def test_an_event_a_graph_records_orders_the_outside_only_when_external(sim, external):
+    x = torch.zeros(8, device=sim.device)
+    event = sim.Event(external=external)
+    g = sim.Graph()
+    with sim.graph(g):
+        x.add_(1)
+        event.record()
+    g.replay()
+    other = sim.Stream()
+    if not external:
+        with pytest.raises(RuntimeError, match="recorded inside a graph capture"):
+            other.wait_event(event)
+        return
+    sim.take_races()
+    other.wait_event(event)
+    with sim.stream(other):
+        y = x * 2
+    other.synchronize()
+    assert sim.take_races() == []
+    assert y.tolist() == [2.0] * 8
