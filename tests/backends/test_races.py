@@ -230,7 +230,7 @@ def test_two_launches_of_one_graph_on_two_streams_are_ordered_two_graphs_are_not
 
 
 @pytest.mark.parametrize("external", [True, False])
-def test_an_event_a_graph_records_orders_the_outside_only_when_external(sim, external):
+def test_an_event_a_graph_records_may_be_waited_for_outside_only_when_external(sim, external):
     x = torch.zeros(8, device=sim.device)
     event = sim.Event(external=external)
     g = sim.Graph()

@@ -218,29 +218,39 @@ def _recorded_in_a_graph(be: Any, event: Any) -> tuple[Any, torch.Tensor]:
     return g, x
 
 
-@case("refused")
-def event_recorded_in_a_capture_waited_for_outside_the_graph(be: Any) -> str:
+def _used_outside_the_graph(be: Any, use: Any) -> str:
+    """`use` of an event the graph records, after a replay: "refused" where it raises."""
     event = be.Event()
     g, _ = _recorded_in_a_graph(be, event)
     g.replay()
     try:
-        be.Stream().wait_event(event)
-        be.synchronize()
+        use(event)
     except RuntimeError:
         return "refused"
-    return "waited"
+    return "used"
+
+
+@case("refused")
+def event_recorded_in_a_capture_waited_for_outside_the_graph(be: Any) -> str:
+    def wait(event: Any) -> None:
+        be.Stream().wait_event(event)
+        be.synchronize()
+
+    return _used_outside_the_graph(be, wait)
 
 
 @case("refused")
 def event_recorded_in_a_capture_synchronized_outside_the_graph(be: Any) -> str:
-    event = be.Event()
-    g, _ = _recorded_in_a_graph(be, event)
-    g.replay()
-    try:
-        event.synchronize()
-    except RuntimeError:
-        return "refused"
-    return "synchronized"
+    return _used_outside_the_graph(be, lambda event: event.synchronize())
+
+
+def _doubled_after_waiting(be: Any, event: Any, x: torch.Tensor) -> str:
+    """x * 2 read on another stream that waited for `event`."""
+    other = be.Stream()
+    other.wait_event(event)
+    with be.stream(other):
+        seen = (x * 2).cpu()
+    return f"value={seen.tolist()}"
 
 
 @case("value=[4.0, 4.0]")
@@ -248,11 +258,7 @@ def external_event_recorded_in_a_capture_is_waited_for_outside(be: Any) -> str:
     event = be.Event(external=True)
     g, x = _recorded_in_a_graph(be, event)
     g.replay()
-    other = be.Stream()
-    other.wait_event(event)
-    with be.stream(other):
-        seen = (x * 2).cpu()
-    return f"value={seen.tolist()}"
+    return _doubled_after_waiting(be, event, x)
 
 
 @case("value=[4.0, 4.0]")
@@ -261,8 +267,4 @@ def event_recorded_again_after_the_replay_is_waited_for(be: Any) -> str:
     g, x = _recorded_in_a_graph(be, event)
     g.replay()
     event.record()
-    other = be.Stream()
-    other.wait_event(event)
-    with be.stream(other):
-        seen = (x * 2).cpu()
-    return f"value={seen.tolist()}"
+    return _doubled_after_waiting(be, event, x)

@@ -94,8 +94,6 @@ class _Active:
     # member stream -> whether it has work not yet joined back into the origin
     unjoined: dict[SimStream, bool] = field(default_factory=dict)
     ops_on: dict[SimStream, int] = field(default_factory=dict)
-    # events made with external=True recorded in the capture: each replay records them again
-    external_events: list[SimEvent] = field(default_factory=list)
 
 
 def _tensors(args: Any, kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -134,8 +132,12 @@ class SimGraph:
                 f"register_generator_state takes a device generator (torch.Generator(device="
                 f"'cuda')); got one for {generator.device}"
             )
-        if not any(generator is g for g in self._generators):
+        if not self.draws_from(generator):
             self._generators.append(generator)
+
+    def draws_from(self, generator: Any) -> bool:
+        """Whether `generator` is registered with this graph."""
+        return any(generator is g for g in self._generators)
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         self._backend._begin_capture(self, pool, capture_error_mode)
@@ -423,8 +425,8 @@ class SimBackend:
             event.capture_position = (active, active.ops_on[stream])
             event.marker = None
             event.clock = None
-            if event.external and event not in active.external_events:
-                active.external_events.append(event)
+            if event.external:
+                active.capture.records_external(event)
             return
         event.capture_position = None
         event.marker = new_marker(stream)
@@ -475,8 +477,8 @@ class SimBackend:
     def host_read(self, what: str, t: torch.Tensor | None = None) -> None:
         """The host is about to read device memory (`t`, when known): in a capture that is
         illegal, else it waits for the current stream, which copies it to the host."""
-        active = self._active
-        if active is not None and self._current in active.unjoined:
+        active = self.capturing_here()
+        if active is not None:
             raise active.capture.fail(
                 f"{what} cannot be captured: a host read of a device value. Move it out of the "
                 "capture region, or keep the value on the device."
@@ -544,7 +546,6 @@ class SimBackend:
         # Internal: instantiating the graph computes views of its own memory, which are no
         # scheduling points for queued work and no operations of the caller.
         graph._program = self._internal(active.capture.finish)
-        graph._program.external_events = active.external_events
 
     def _abort_capture(self, graph: SimGraph) -> None:
         """End `graph`'s capture, if it is under way, keeping nothing of it. (A graph whose
@@ -589,8 +590,8 @@ class SimBackend:
         )
 
     def _launch(self, program: Program) -> None:
-        active = self._active
-        if active is not None and self._current in active.unjoined:
+        active = self.capturing_here()
+        if active is not None:
             raise active.capture.fail("replaying a graph inside a capture is not supported by sim")
         previous = program.last_launch
         if previous is not None and previous.recorded_on is not self._current:
@@ -917,8 +918,8 @@ class SimBackend:
         as torch does on CUDA, as the indices of advanced indexing, which it copies to the device
         first: a capture refuses that copy."""
         if op.indexing and all(any(t is i for i in ops.flat(args[1])) for t in host):
-            active = self._active
-            if active is not None and self._current in active.unjoined:
+            active = self.capturing_here()
+            if active is not None:
                 raise active.capture.fail(
                     f"{op.name} with host indices cannot be captured: they are copied to "
                     "the device first (a blocking copy). Keep the indices on the device."

@@ -127,6 +127,7 @@ class Program:
         instrs: list[_Instr],
         accesses: list[ReplayAccess],
         kept: dict[int, torch.UntypedStorage] | None = None,
+        external_events: list[Any] | None = None,
     ) -> None:
         self._env = env
         self._externals = externals
@@ -136,7 +137,7 @@ class Program:
         # An event recorded after the last launch (SimBackend._launch): CUDA orders a graph's
         # launch behind its previous launch, on whichever stream that ran.
         self.last_launch: Any = None
-        self.external_events: list[Any] = []  # events made with external=True it records
+        self.external_events = external_events or []  # events made with external=True it records
         self._first_reader: dict[int, str] = {}
         for ins in instrs:
             for ref in _refs(ins.args, ins.kwargs):
@@ -260,6 +261,7 @@ class Capture:
         self._keeps_pinned = keeps_pinned
         self._made_pinned: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._kept: dict[int, torch.UntypedStorage] = {}
+        self._external_events: list[Any] = []
         self._env: list[Any] = []
         self._owned: set[int] = set()
         self._externals: list[_External] = []
@@ -331,7 +333,12 @@ class Capture:
                 env[slot] = None
         refs = {fp.storage: ref for (fp, _), ref in self._touched.items()}
         accesses = [(refs[fp.storage], fp, write) for fp, write in footprint.merge(self._touched)]
-        return Program(env, self._externals, kept, accesses, self._kept)
+        return Program(env, self._externals, kept, accesses, self._kept, self._external_events)
+
+    def records_external(self, event: Any) -> None:
+        """An event made with external=True recorded in the capture: each replay records it."""
+        if not any(event is e for e in self._external_events):
+            self._external_events.append(event)
 
     def made_pinned(self, storage: torch.UntypedStorage) -> None:
         """A pinned host block allocated while this capture runs."""

@@ -34,15 +34,13 @@ def is_device_generator(generator: Any) -> bool:
 
 def check_draw(backend: SimBackend, generator: Any) -> None:
     """A device draw from `generator`: refused as CUDA refuses it (module docstring)."""
-    if generator is torch.default_generator:
-        return
-    if generator.device.type != "cuda":
+    if not is_device_generator(generator):
         raise RuntimeError(
             f"Expected a 'cuda' device type for generator but found '{generator.device.type}': "
             "a draw on the device takes a generator made with torch.Generator(device='cuda')"
         )
     active = backend.capturing_here()
-    if active is None or any(generator is g for g in active.graph._generators):
+    if active is None or generator is torch.default_generator or active.graph.draws_from(generator):
         return
     raise active.capture.fail(
         "a draw from a generator that is not registered with the graph being captured (CUDA: "

@@ -18,14 +18,15 @@ from pytest_graphmode.runtime.backends.sim.device import SimDeviceTensor
 
 aten = torch.ops.aten
 
+_STD_READ = "normal with a tensor std (CUDA checks std >= 0 on the host)"
 # Reading a device value on the host, or producing a shape only known after computing.
 _HOST_READS = {
     aten._local_scalar_dense.default: "a host read of a device value (.item(), bool(t), int(t))",
     aten.equal.default: "a host read of a device value (torch.equal)",
     aten.is_nonzero.default: "a host read of a device value (bool(t))",
     # CUDA checks a tensor std >= 0 with .item() (a tensor mean with a number std is not read)
-    aten.normal.Tensor_Tensor: "normal with a tensor std (CUDA checks std >= 0 on the host)",
-    aten.normal.float_Tensor: "normal with a tensor std (CUDA checks std >= 0 on the host)",
+    aten.normal.Tensor_Tensor: _STD_READ,
+    aten.normal.float_Tensor: _STD_READ,
 }
 _DATA_DEPENDENT = {
     "nonzero",
@@ -82,18 +83,6 @@ _METADATA_OPS = frozenset(
 )
 
 # Operations whose capture legality also depends on their arguments (`capture_violation`).
-_ARGUMENT_CHECKED = {
-    aten.repeat_interleave.Tensor,
-    aten.repeat_interleave.self_Tensor,
-    aten.index.Tensor,
-    aten.index_put_.default,
-    aten.index_put.default,
-    aten.histc.default,
-    aten.masked_fill.Tensor,
-    aten.masked_fill_.Tensor,
-    aten.index_fill.int_Tensor,
-    aten.index_fill_.int_Tensor,
-}
 # Operations whose CUDA kernel reads a 0-dim tensor value on the host (`value.item()`), and the
 # position of that value: a device tensor there is a host read.
 _VALUE_READ_ON_THE_HOST = {
@@ -101,6 +90,15 @@ _VALUE_READ_ON_THE_HOST = {
     aten.masked_fill_.Tensor: 2,
     aten.index_fill.int_Tensor: 3,
     aten.index_fill_.int_Tensor: 3,
+}
+_ARGUMENT_CHECKED = {
+    aten.repeat_interleave.Tensor,
+    aten.repeat_interleave.self_Tensor,
+    aten.index.Tensor,
+    aten.index_put_.default,
+    aten.index_put.default,
+    aten.histc.default,
+    *_VALUE_READ_ON_THE_HOST,
 }
 _MASK_DTYPES = (torch.bool, torch.uint8)
 
