@@ -40,7 +40,7 @@ def _rebound(before: dict[str, object], after: dict[str, object]) -> list[str]:
 
 
 # The modules of torch.cuda whose names the drop-in rebinds too.
-_SUBMODULES = (torch.cuda.graphs, torch.cuda.streams, torch.cuda.nvtx)
+_SUBMODULES = (torch.cuda.graphs, torch.cuda.streams, torch.cuda.nvtx, torch.cuda.memory)
 
 
 def test_torch_cuda_names_resolve_to_the_sim_inside() -> None:
@@ -118,6 +118,7 @@ def test_a_capture_through_torch_cuda_graph_replays_on_the_sim() -> None:
 def test_torch_cuda_is_restored_exactly_after_a_sim_campaign() -> None:
     before, generator = _torch_cuda(), torch.Generator
     accelerator, device_module = dict(vars(torch.accelerator)), torch.get_device_module
+    load, set_default_device = torch.load, torch.set_default_device
     submodules = {m: dict(vars(m)) for m in _SUBMODULES}
     stats = run_campaign(make_target, backend="sim", max_examples=2, max_steps=4, seed=1)
     assert stats.failures == []
@@ -131,6 +132,7 @@ def test_torch_cuda_is_restored_exactly_after_a_sim_campaign() -> None:
     assert vars(torch.accelerator) == accelerator
     assert all(vars(torch.accelerator)[name] is accelerator[name] for name in accelerator)
     assert torch.get_device_module is device_module
+    assert torch.load is load and torch.set_default_device is set_default_device
     assert not is_active()
     assert torch.cuda.is_available() is cuda_available()
 

@@ -7,6 +7,7 @@ from tests.conformance import (
     cases_capture,
     cases_frees,
     cases_graph,
+    cases_host,
     cases_lifetime,
     cases_ops,
     cases_pools,
@@ -28,6 +29,7 @@ MODULES = (
     cases_async,
     cases_lifetime,
     cases_frees,
+    cases_host,
 )
 
 

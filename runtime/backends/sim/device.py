@@ -69,9 +69,25 @@ class SimDeviceTensor(torch.Tensor):
             raise TypeError(f"record_stream: expected a stream of the sim, got {stream!r}")
         stream._backend.record_stream(self, stream)
 
+    def __reduce_ex__(self, proto: Any) -> Any:
+        """Saving or pickling reads the values on the host, as a download does: wait for the
+        current stream first (torch reads the storage directly, beneath every mode). The file
+        names this class, so a load (weights only, too: the module allows it below) gives a
+        device tensor back, as CUDA's does."""
+        from pytest_graphmode.runtime.backends.sim.backend import current_backend
+
+        backend = current_backend()
+        if backend.is_active and not backend._passthrough:
+            backend.host_read("saving a device tensor", self)
+        return super().__reduce_ex__(proto)
+
 
 class SimDeviceParameter(SimDeviceTensor, torch.nn.Parameter):
     """A module's parameter moved to the simulated GPU (`module.to("cuda")` sets its `.data`)."""
+
+
+# `torch.load(weights_only=True)`, torch's default, rebuilds only the classes it is told are safe.
+torch.serialization.add_safe_globals([SimDeviceTensor, SimDeviceParameter])
 
 
 def on_device(t: torch.Tensor) -> bool:
@@ -204,7 +220,7 @@ def _to(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str,
     else:
         # `copy` is no concern of where the result goes (a crossing always copies)
         parsed = {k: v for k, v in kwargs.items() if k != "copy"}
-        target, dtype, non_blocking, _ = torch._C._nn._parse_to(*rest, **parsed)
+        target, dtype, non_blocking, _ = _parse_to(backend, torch._C._nn._parse_to, rest, parsed)
     to_device = on_device(self) if target is None else is_sim_device(target)
     if to_device == on_device(self):
         # No crossing: torch sees a CPU tensor going to the CPU.
@@ -216,6 +232,22 @@ def _to(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str,
     if to_device:
         return _to_device(backend, self, dtype, non_blocking)
     return _to_host(backend, self, dtype, non_blocking)
+
+
+def _parse_to(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # How `Tensor.to` and `nn.Module.to` parse their arguments. Not a factory: its `device=` is
+    # the answer, which must stay the sim device. torch asks its accelerator what a bare index
+    # (`module.to(device=rank)`, `x.to(0)`) means, and a host without one raises: name the
+    # sim device instead.
+    if args and _is_index(args[0]):
+        args = (torch.device("cuda", args[0]), *args[1:])
+    if _is_index(kwargs.get("device")):
+        kwargs = dict(kwargs, device=torch.device("cuda", kwargs["device"]))
+    return func(*args, **kwargs)
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _cuda(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -302,11 +334,121 @@ def _one_hot(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict
     return index.new_zeros((*index.shape, classes)).scatter_(-1, index.unsqueeze(-1), 1)
 
 
+def _numpy(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # torch refuses device memory unless `force`, which copies it to the host first (a blocking
+    # download that waits for the current stream).
+    self = args[0]
+    if not on_device(self):
+        return func(*args, **kwargs)
+    force = args[1] if len(args) > 1 else kwargs.get("force", False)
+    if not force:
+        raise TypeError(_NO_NUMPY.format(device=self.device))
+    return _to_host(backend, self.detach(), self.dtype, non_blocking=False).numpy(force=True)
+
+
+def _array(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # `numpy.asarray(t)`: torch's `__array__` calls `t.numpy()`, which refuses device memory.
+    if on_device(args[0]):
+        raise TypeError(_NO_NUMPY.format(device=args[0].device))
+    return func(*args, **kwargs)
+
+
+def _format(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # torch formats a plain 0-dim tensor as its number (read with `.item()`, a host read); it
+    # tells a subclass apart by its class, which would make `f"{loss:.3f}"` raise on the sim.
+    self, spec = args[0], args[1] if len(args) > 1 else kwargs["format_spec"]
+    if not on_device(self):
+        return func(*args, **kwargs)
+    if self.dim() == 0:
+        return self.item().__format__(spec)
+    if spec:
+        raise TypeError("unsupported format string passed to Tensor.__format__")
+    return _repr(backend, torch.Tensor.__repr__, (self,), {})
+
+
+def _repr(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # Printing reads the values, as a download does: it waits for the current stream (torch's
+    # printing turns every mode off, so it would show memory as queued work left it). torch
+    # names a subclass by its class and indents by that name: the sim's classes print as
+    # `tensor(`, as CUDA's tensors do.
+    self = args[0]
+    if not on_device(self):
+        return func(*args, **kwargs)
+    if not backend._passthrough:
+        backend.host_read("Tensor.__repr__", self)
+    cls = type(self)
+    name = cls.__name__
+    cls.__name__ = "tensor"
+    try:
+        text = func(*args, **kwargs)
+    finally:
+        cls.__name__ = name
+    # `Parameter.__repr__` adds "Parameter containing:" itself; torch also wraps a subclass's
+    # parameter in "Parameter(...)".
+    if isinstance(self, torch.nn.Parameter) and text.startswith("Parameter("):
+        text = text[len("Parameter(") : -1]
+    return text
+
+
+def _share_memory(
+    backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    # Device memory is shared between processes by IPC handles, not moved: torch leaves a CUDA
+    # tensor as it is. (The sim's CPU storage would move into shared memory, away from the
+    # addresses captured graphs hold.)
+    return args[0] if on_device(args[0]) else func(*args, **kwargs)
+
+
+def _is_shared(
+    backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    # torch answers True for every CUDA tensor: device memory can always be shared by IPC.
+    return True if on_device(args[0]) else func(*args, **kwargs)
+
+
+def _get_device(
+    backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    return SIM_DEVICE.index if on_device(args[0]) else func(*args, **kwargs)
+
+
+def _type(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # The legacy type names: a device tensor's is `torch.cuda.FloatTensor`, and converting to a
+    # `torch.cuda.*` type (a name or torch's type object) moves to the device, to a CPU type to
+    # the host.
+    self = args[0]
+    target = args[1] if len(args) > 1 else kwargs.get("dtype")
+    non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    if target is None:
+        name = func(self)
+        return name.replace("torch.", "torch.cuda.", 1) if on_device(self) else name
+    if isinstance(target, str):
+        if not target.startswith("torch."):
+            return func(*args, **kwargs)
+        to_device = target.startswith("torch.cuda.")
+        target = getattr(torch, target.rsplit(".", 1)[-1])
+    elif isinstance(target, torch.dtype):
+        return func(*args, **kwargs)
+    else:
+        to_device = bool(target.is_cuda)
+    to = _to_device if to_device else _to_host
+    if to_device == on_device(self) and target.dtype == self.dtype:
+        return self
+    return to(backend, self, target.dtype, non_blocking)
+
+
+_NO_NUMPY = (
+    "can't convert {device} device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
+    "host memory first."
+)
+
+
 _PARAMETER_CLASSES = (torch.nn.Parameter, SimDeviceParameter)
 _UPLOADS = {torch.tensor, torch.as_tensor, torch.asarray}
 
 _HANDLERS: dict[Any, _Handler] = {
     torch.Tensor.to: _to,
+    torch._C._nn._parse_to: _parse_to,
     torch.Tensor.cuda: _cuda,
     torch.Tensor.cpu: _cpu,
     torch.Tensor.pin_memory: _pin_memory,
@@ -314,6 +456,14 @@ _HANDLERS: dict[Any, _Handler] = {
     torch.Tensor.new_tensor: _new_tensor,
     torch.Tensor.type_as: _type_as,
     torch.nn.functional.one_hot: _one_hot,
+    torch.Tensor.numpy: _numpy,
+    torch.Tensor.__array__: _array,
+    torch.Tensor.__format__: _format,
+    torch.Tensor.__repr__: _repr,
+    torch.Tensor.share_memory_: _share_memory,
+    torch.Tensor.is_shared: _is_shared,
+    torch.Tensor.type: _type,
+    torch.get_device: _get_device,
     # `x.data = y`: the property's setter, as torch function modes see it
     torch._C.TensorBase.__dict__["data"].__set__: _set_data,
 }

@@ -25,6 +25,7 @@ import torch
 import torch.cuda.graphs
 import torch.cuda.nvtx
 import torch.cuda.streams
+from torch.utils._pytree import tree_map_only
 
 from pytest_graphmode.runtime.backends.sim.backend import SimBackend, SimGraph, current_backend
 from pytest_graphmode.runtime.backends.sim.device import is_sim_device
@@ -64,7 +65,7 @@ def drop_in() -> Iterator[SimBackend]:
     try:
         if _depth == 0:
             surface = _surface(backend)
-            _install(surface, _submodule_surface(surface) + _device_generic_surface(backend))
+            _install(surface, _submodule_surface(surface) + _device_generic_surface(surface))
         _depth += 1
         try:
             yield backend
@@ -206,6 +207,42 @@ class SimDeviceProperties:
         return f"SimDeviceProperties(name={self.name!r}, total_memory={self.total_memory})"
 
 
+def _device_of(obj: Any) -> _SimDeviceContext:
+    """`torch.cuda.device_of(t)`: the device of a device tensor, else no change of device."""
+    return _SimDeviceContext(0 if getattr(obj, "is_cuda", False) else None)
+
+
+def _sleep(cycles: int) -> None:
+    """`torch.cuda._sleep(cycles)`: a kernel that only takes time. The sim has no kernel time (its
+    scheduler decides how far queued work has run), so it queues nothing."""
+    if not isinstance(cycles, int) or isinstance(cycles, bool):
+        raise TypeError(f"_sleep(): argument 'cycles' must be int, not {type(cycles).__name__}")
+
+
+def _loader(host_load: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.load` with `map_location` naming a device: to "cuda", torch would make CUDA
+    storages, which a host without a GPU cannot; to "cpu", the sim's device tensors in the file
+    (their class is saved) would come back on the device. The sim loads, then moves every
+    tensor and module of the result where it was asked (tensors that shared storage in the
+    file each get their own copy). Without `map_location`, tensors come back where they were."""
+
+    def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(map_location, str | torch.device | int) and is_sim_device(map_location):
+            _one_device(map_location)
+            target = "cuda"
+        elif (
+            isinstance(map_location, str | torch.device)
+            and torch.device(map_location).type == "cpu"
+        ):
+            target = "cpu"
+        else:
+            return host_load(f, map_location, *args, **kwargs)
+        loaded = host_load(f, "cpu", *args, **kwargs)
+        return tree_map_only((torch.Tensor, torch.nn.Module), lambda item: item.to(target), loaded)
+
+    return load
+
+
 def _memory_stats(device: Any = None) -> dict[str, int]:
     _one_device(device)
     return {
@@ -333,6 +370,9 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
         "current_device": lambda: 0,
         "set_device": set_device,
         "device": _SimDeviceContext,
+        "device_of": _device_of,
+        "_sleep": _sleep,
+        "ipc_collect": _nothing,
         "get_device_name": device_name,
         "get_device_capability": capability,
         "get_device_properties": properties,
@@ -379,6 +419,32 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
     return surface
 
 
+# The names of torch.cuda.memory that resolve to the sim with torch.cuda's.
+_MEMORY_MODULE_NAMES = (
+    "empty_cache",
+    "mem_get_info",
+    "memory_stats",
+    "memory_summary",
+    "memory_snapshot",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "reset_max_memory_allocated",
+    "reset_accumulated_memory_stats",
+)
+# The memory queries torch.accelerator shares with torch.cuda, by the same names.
+_ACCELERATOR_MEMORY_NAMES = (
+    "empty_cache",
+    "memory_stats",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "reset_accumulated_memory_stats",
+)
 # The names of torch.cuda.graphs that resolve to the sim with torch.cuda's.
 _GRAPHS_MODULE_NAMES = ("CUDAGraph", "graph", "graph_pool_handle", "is_current_stream_capturing")
 
@@ -395,10 +461,12 @@ def _submodule_surface(surface: dict[str, Any]) -> list[tuple[Any, str, Any]]:
         (torch.cuda.nvtx, "_nvtx", _SimNvtx()),
         # The device's default generator: the global one, which the sim's device draws use.
         (torch.cuda, "default_generators", (torch.default_generator,)),
+        # torch.cuda's memory queries are torch.cuda.memory's, and may be called from there.
+        *((torch.cuda.memory, name, surface[name]) for name in _MEMORY_MODULE_NAMES),
     ]
 
 
-def _device_generic_surface(backend: SimBackend) -> list[tuple[Any, str, Any]]:
+def _device_generic_surface(surface: dict[str, Any]) -> list[tuple[Any, str, Any]]:
     """The names outside `torch.cuda` that runners written for any accelerator ask (transformers
     5.19 onwards does): without them, a host without a GPU answers "no accelerator, the CPU"."""
     host_device_module = torch.get_device_module
@@ -412,16 +480,44 @@ def _device_generic_surface(backend: SimBackend) -> list[tuple[Any, str, Any]]:
     def current_accelerator(check_available: bool = False) -> torch.device:
         return torch.device("cuda")
 
-    def synchronize(device: Any = None) -> None:
-        _one_device(device)
-        backend.synchronize()
+    host_set_default_device = torch.set_default_device
 
+    def set_default_device(device: Any) -> None:
+        # torch makes a bare index a device of the host's accelerator, and a host without one
+        # raises: it names the sim's device here.
+        if isinstance(device, int) and not isinstance(device, bool):
+            device = torch.device("cuda", device)
+        host_set_default_device(device)
+
+    # torch.accelerator's names for what torch.cuda's drop-in answers: the same objects.
+    same_as_cuda = {
+        "is_available": "is_available",
+        "device_count": "device_count",
+        "synchronize": "synchronize",
+        "current_stream": "current_stream",
+        "set_stream": "set_stream",
+        "set_device_index": "set_device",
+        "set_device_idx": "set_device",
+        "device_index": "device",
+        "get_memory_info": "mem_get_info",
+        **{name: name for name in _ACCELERATOR_MEMORY_NAMES},
+    }
+    accelerator = {
+        "current_accelerator": current_accelerator,
+        "current_device_idx": surface["current_device"],
+        "current_device_index": surface["current_device"],
+        **{name: surface[cuda_name] for name, cuda_name in same_as_cuda.items()},
+    }
     return [
         (torch, "get_device_module", get_device_module),
-        (torch.accelerator, "is_available", lambda: True),
-        (torch.accelerator, "device_count", lambda: 1),
-        (torch.accelerator, "current_accelerator", current_accelerator),
-        (torch.accelerator, "synchronize", synchronize),
+        (torch, "set_default_device", set_default_device),
+        (torch, "load", _loader(torch.load)),
+        # Only the names this torch has: a name the sim added would be one a GPU host lacks.
+        *(
+            (torch.accelerator, name, value)
+            for name, value in accelerator.items()
+            if hasattr(torch.accelerator, name)
+        ),
     ]
 
 
