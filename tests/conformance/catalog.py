@@ -14,6 +14,7 @@ from tests.conformance import (
     cases_replay,
     cases_rng,
     cases_streams,
+    cases_threads,
 )
 from tests.conformance.case import CASES, Case
 
@@ -30,6 +31,7 @@ MODULES = (
     cases_lifetime,
     cases_frees,
     cases_host,
+    cases_threads,
 )
 
 

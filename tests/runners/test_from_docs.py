@@ -63,6 +63,8 @@ CAUGHT_BY = {
     "pad_slot_wraps_to_last": "states_match",  # padding slot -1 indexes the cache's last slot
     "piecewise_attention_out_fresh": "replay_matches_eager",  # a piece reads a freed output
     "max_seq_len_read_racing": "no_stream_races",  # seq_lens read back before their upload
+    # a forward thread's stream never waits for the scheduling stream's uploads
+    "forward_thread_skips_upload_wait": "no_stream_races",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not

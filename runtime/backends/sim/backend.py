@@ -54,6 +54,12 @@ from pytest_graphmode.runtime.backends.sim.streams import (
     new_wait,
     new_work,
 )
+from pytest_graphmode.runtime.backends.sim.threads import (
+    SimThreads,
+    ThreadStreams,
+    follow_new_threads,
+    serialized,
+)
 
 _BACKEND: SimBackend | None = None
 _ERROR_MODES = ("global", "thread_local", "relaxed")
@@ -78,8 +84,22 @@ class _SimMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # The sim's own tensor calls below are no calls of the program: the device mode (a
         # torch function mode, still on its stack here) need not see them.
+        backend = self.backend
         with torch._C.DisableTorchFunction():
-            return self.backend._dispatch(func, args, kwargs or {})
+            if backend.threads.alive:
+                with backend.threads.lock:
+                    return backend._dispatch(func, args, kwargs or {})
+            return backend._dispatch(func, args, kwargs or {})
+
+
+class FollowerSimMode(_SimMode):
+    """The sim's dispatch mode in a thread the sim started (threads.py): it passes every
+    operation through while the sim is not active."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if not self.backend.is_active:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 @dataclass(eq=False)
@@ -199,7 +219,9 @@ class SimBackend:
         _BACKEND = self
         self.scheduler = StreamScheduler(seed)
         self._default = SimStream(_backend=self)
-        self._current = self._default
+        self._streams = ThreadStreams()
+        self.threads = SimThreads()
+        self._restore_thread_start: Callable[[], None] | None = None
         self._capture_stream = SimStream(_backend=self)
         self._active: _Active | None = None
         self._passthrough = 0
@@ -232,6 +254,7 @@ class SimBackend:
             mode.__enter__()
             self._mode = mode
             self._original_tolist = _patch_tolist(self)
+            self._restore_thread_start = follow_new_threads(self)
         self._activations += 1
 
     def deactivate(self) -> None:
@@ -265,6 +288,9 @@ class SimBackend:
                 self._races.host_waits_for_all()
                 self._frees.host_passed_all()
             torch.Tensor.tolist = self._original_tolist  # type: ignore[method-assign]
+            assert self._restore_thread_start is not None
+            self._restore_thread_start()
+            self._restore_thread_start = None
             self._mode.__exit__(None, None, None)
             self._mode = None
             self._device_mode.__exit__(None, None, None)
@@ -291,6 +317,16 @@ class SimBackend:
         """Choose the order in which independent streams' queued work runs."""
         self.scheduler.set_seed(seed)
 
+    @property
+    def _current(self) -> SimStream:
+        """This thread's current stream (as on CUDA, each thread has its own)."""
+        current = self._streams.current
+        return self._default if current is None else current
+
+    @_current.setter
+    def _current(self, stream: SimStream) -> None:
+        self._streams.current = stream
+
     def current_stream(self) -> SimStream:
         return self._current
 
@@ -314,16 +350,19 @@ class SimBackend:
         finally:
             self._current = previous
 
+    @serialized
     def synchronize(self) -> None:
         self._forbid_in_capture("synchronize()")
         self.scheduler.drain_all()
         self._races.host_waits_for_all()
         self._frees.host_passed_all()
 
+    @serialized
     def record_stream(self, t: torch.Tensor, stream: SimStream) -> None:
         """`t.record_stream(stream)` (frees.py)."""
         self._frees.record_stream(t, self._races.agent(stream))
 
+    @serialized
     def take_races(self) -> list[Race]:
         """The stream races the happens-before checker found since the last call, first found
         first (at most a few dozen; each pair of lines once). See docs/backends.md."""
@@ -365,6 +404,7 @@ class SimBackend:
         self.register_pinned(t)
         return t
 
+    @serialized
     def register_pinned(self, t: torch.Tensor) -> None:
         """Treat the storage of host tensor `t` as pinned for as long as it lives."""
         storage = t.untyped_storage()
@@ -390,6 +430,7 @@ class SimBackend:
 
     # -- streams and events --------------------------------------------------------------------
 
+    @serialized
     def stream_wait_event(self, stream: SimStream, event: SimEvent) -> None:
         active = self._active
         if active is not None and event.capture_position is not None:
@@ -417,6 +458,7 @@ class SimBackend:
             return
         self.scheduler.enqueue(stream, new_wait(marker))
 
+    @serialized
     def event_record(self, event: SimEvent, stream: SimStream | None) -> None:
         stream = stream or self._current
         event.recorded_on = stream
@@ -444,6 +486,7 @@ class SimBackend:
                 "graph, or record it again outside"
             )
 
+    @serialized
     def event_query(self, event: SimEvent) -> bool:
         self._forbid_in_capture("Event.query()")
         self._check_captured_record(event, "Event.query()")
@@ -453,6 +496,7 @@ class SimBackend:
             self._races.host_waits(event.clock)  # the host saw it complete
         return done
 
+    @serialized
     def event_synchronize(self, event: SimEvent) -> None:
         self._forbid_in_capture("Event.synchronize()")
         self._check_captured_record(event, "Event.synchronize()")
@@ -461,6 +505,7 @@ class SimBackend:
         if event.clock is not None:
             self._races.host_waits(event.clock)
 
+    @serialized
     def stream_query(self, stream: SimStream) -> bool:
         self._forbid_in_capture("Stream.query()")
         self.scheduler.maybe_progress()
@@ -469,11 +514,13 @@ class SimBackend:
             self._races.host_waits_for(self._races.agent(stream))
         return done
 
+    @serialized
     def stream_synchronize(self, stream: SimStream) -> None:
         self._forbid_in_capture("Stream.synchronize()")
         self.scheduler.drain(stream)
         self._races.host_waits_for(self._races.agent(stream))
 
+    @serialized
     def host_read(self, what: str, t: torch.Tensor | None = None) -> None:
         """The host is about to read device memory (`t`, when known): in a capture that is
         illegal, else it waits for the current stream, which copies it to the host."""
@@ -499,6 +546,7 @@ class SimBackend:
 
     # -- capture ---------------------------------------------------------------------------------
 
+    @serialized
     def _begin_capture(self, graph: SimGraph, pool: Any, error_mode: str = "global") -> None:
         if not self.is_active:
             raise RuntimeError(
@@ -528,6 +576,7 @@ class SimBackend:
         graph._program = None
         graph._pool = handle
 
+    @serialized
     def _end_capture(self, graph: SimGraph) -> None:
         active = self._require_active(graph)
         self._active = None
@@ -547,6 +596,7 @@ class SimBackend:
         # scheduling points for queued work and no operations of the caller.
         graph._program = self._internal(active.capture.finish)
 
+    @serialized
     def _abort_capture(self, graph: SimGraph) -> None:
         """End `graph`'s capture, if it is under way, keeping nothing of it. (A graph whose
         capture never began keeps what it holds: capture_begin refused it.)"""
@@ -589,6 +639,7 @@ class SimBackend:
             "object with allocate(nbytes) and release(block)"
         )
 
+    @serialized
     def _launch(self, program: Program) -> None:
         active = self.capturing_here()
         if active is not None:

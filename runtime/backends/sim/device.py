@@ -127,9 +127,14 @@ class DeviceMode(TorchFunctionMode):
         self.backend = backend
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if kwargs is None:
-            kwargs = {}
-        elif kwargs.get("generator") is not None and _on_the_device(func, args, kwargs):
+        threads = self.backend.threads
+        if threads.alive:
+            with threads.lock:
+                return self._handle(func, args, kwargs or {})
+        return self._handle(func, args, kwargs or {})
+
+    def _handle(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kwargs.get("generator") is not None and _on_the_device(func, args, kwargs):
             check_draw(self.backend, kwargs["generator"])
         handler = _HANDLERS.get(func)
         if handler is not None:
@@ -143,6 +148,16 @@ class DeviceMode(TorchFunctionMode):
         if kwargs and ("device" in kwargs or "pin_memory" in kwargs):
             return _factory(self.backend, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+class FollowerDeviceMode(DeviceMode):
+    """The device mode in a thread the sim started (threads.py): it passes every call through
+    while the sim is not active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if not self.backend.is_active:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 def _on_the_device(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

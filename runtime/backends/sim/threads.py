@@ -1,0 +1,105 @@
+"""Threads a runner starts, on the sim: they see the sim as the thread that activated it does.
+
+torch keeps its dispatch and function modes per thread, so a thread started by a runner (a worker
+that prepares the next batch, a thread that waits for a step's download) would see none of the
+sim: its operations on device tensors would run as plain CPU work, with no queues, no capture and
+no race checks, and a `device="cuda"` factory would ask the host's missing GPU. While the sim is
+active, `threading.Thread.start` gives every new thread the sim's two modes for its whole life;
+they pass every call through while the sim is not active (a pool's worker outlives the block that
+started it).
+
+As on CUDA, the current stream is per thread, and a new thread starts on the default stream. The
+sim's bookkeeping is one state shared by all threads: while a thread it started is alive, every
+entry into the sim holds one lock, so two threads' operations are judged one after the other
+(their host sides count as one host for the race checker).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from pytest_graphmode.runtime.backends.sim.backend import SimBackend
+    from pytest_graphmode.runtime.backends.sim.streams import SimStream
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ThreadStreams(threading.local):
+    """Each thread's current stream; None: the default stream."""
+
+    current: SimStream | None = None
+
+
+class SimThreads:
+    """The threads the sim has started and the lock they share with the activating thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.alive = 0
+
+    def started(self) -> None:
+        with self.lock:
+            self.alive += 1
+
+    def ended(self) -> None:
+        with self.lock:
+            self.alive -= 1
+
+
+def serialized(method: F) -> F:
+    """A backend method that holds the threads' lock while a thread the sim started is alive."""
+
+    @functools.wraps(method)
+    def call(self: SimBackend, *args: Any, **kwargs: Any) -> Any:
+        if self.threads.alive:
+            with self.threads.lock:
+                return method(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+def follow_new_threads(backend: SimBackend) -> Callable[[], None]:
+    """Make threads started from now on see `backend`'s modes; returns what puts torch's
+    `Thread.start` back."""
+    original = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        run = self.run
+
+        def run_on_sim() -> None:
+            try:
+                with _follower_modes(backend):
+                    run()
+            finally:
+                backend.threads.ended()
+
+        backend.threads.started()
+        self.run = run_on_sim  # type: ignore[method-assign]
+        try:
+            original(self)
+        except BaseException:
+            self.run = run  # type: ignore[method-assign]
+            backend.threads.ended()
+            raise
+
+    threading.Thread.start = start  # type: ignore[method-assign]
+
+    def restore() -> None:
+        threading.Thread.start = original  # type: ignore[method-assign]
+
+    return restore
+
+
+@contextmanager
+def _follower_modes(backend: SimBackend) -> Iterator[None]:
+    from pytest_graphmode.runtime.backends.sim.backend import FollowerSimMode
+    from pytest_graphmode.runtime.backends.sim.device import FollowerDeviceMode
+
+    with FollowerDeviceMode(backend), FollowerSimMode(backend):
+        yield
