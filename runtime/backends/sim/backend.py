@@ -244,6 +244,7 @@ class SimBackend:
     def is_active(self) -> bool:
         return self._activations > 0
 
+    @serialized
     def activate(self) -> None:
         """Route torch through the sim until the matching `deactivate()`; calls nest."""
         if self._activations == 0:
@@ -257,6 +258,7 @@ class SimBackend:
             self._restore_thread_start = follow_new_threads(self)
         self._activations += 1
 
+    @serialized
     def deactivate(self) -> None:
         """End one `activate()`; the last one runs queued work and gives torch back untouched."""
         if self._activations == 0:
