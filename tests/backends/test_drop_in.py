@@ -119,6 +119,7 @@ def test_torch_cuda_is_restored_exactly_after_a_sim_campaign() -> None:
     before, generator = _torch_cuda(), torch.Generator
     accelerator, device_module = dict(vars(torch.accelerator)), torch.get_device_module
     load, set_default_device = torch.load, torch.set_default_device
+    parameter_new = torch.nn.Parameter.__dict__["__new__"]
     submodules = {m: dict(vars(m)) for m in _SUBMODULES}
     stats = run_campaign(make_target, backend="sim", max_examples=2, max_steps=4, seed=1)
     assert stats.failures == []
@@ -133,6 +134,7 @@ def test_torch_cuda_is_restored_exactly_after_a_sim_campaign() -> None:
     assert all(vars(torch.accelerator)[name] is accelerator[name] for name in accelerator)
     assert torch.get_device_module is device_module
     assert torch.load is load and torch.set_default_device is set_default_device
+    assert torch.nn.Parameter.__dict__["__new__"] is parameter_new
     assert not is_active()
     assert torch.cuda.is_available() is cuda_available()
 

@@ -199,3 +199,16 @@ def saving_waits_and_loads_back_to_the_device(be: Any) -> str:
         saved.seek(0)
         host = torch.load(saved, map_location="cpu")["out"]
         return f"{back.device} {back.tolist()}, {host.device}"
+
+
+@case("cuda:0 same memory, cuda:0")
+def parameter_made_of_a_device_parameter(be: Any) -> str:
+    # Tied weights (`lm_head.weight = nn.Parameter(embed.weight)`) and weight-norm
+    # parametrizations make a parameter of a parameter already on the device.
+    with backends.target_scope(be.name):
+        embed = torch.nn.Embedding(5, 4).to("cuda")
+        tied = torch.nn.Parameter(embed.weight)
+        same = "same memory" if tied.data_ptr() == embed.weight.data_ptr() else "copied"
+        normed = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(3, 3).to("cuda"))
+        out = normed(torch.ones(1, 3, device="cuda"))
+        return f"{tied.device} {same}, {out.device}"

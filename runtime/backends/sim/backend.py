@@ -39,6 +39,7 @@ from pytest_graphmode.runtime.backends.sim.device import (
     DeviceMode,
     SimDeviceTensor,
     mark_device,
+    patch_parameter_new,
 )
 from pytest_graphmode.runtime.backends.sim.frees import StreamOrderedFrees
 from pytest_graphmode.runtime.backends.sim.generators import is_device_generator
@@ -222,6 +223,7 @@ class SimBackend:
         self._streams = ThreadStreams()
         self.threads = SimThreads()
         self._restore_thread_start: Callable[[], None] | None = None
+        self._restore_parameter_new: Callable[[], None] | None = None
         self._capture_stream = SimStream(_backend=self)
         self._active: _Active | None = None
         self._passthrough = 0
@@ -256,6 +258,7 @@ class SimBackend:
             self._mode = mode
             self._original_tolist = _patch_tolist(self)
             self._restore_thread_start = follow_new_threads(self)
+            self._restore_parameter_new = patch_parameter_new()
         self._activations += 1
 
     @serialized
@@ -291,8 +294,11 @@ class SimBackend:
                 self._frees.host_passed_all()
             torch.Tensor.tolist = self._original_tolist  # type: ignore[method-assign]
             assert self._restore_thread_start is not None
+            assert self._restore_parameter_new is not None
             self._restore_thread_start()
+            self._restore_parameter_new()
             self._restore_thread_start = None
+            self._restore_parameter_new = None
             self._mode.__exit__(None, None, None)
             self._mode = None
             self._device_mode.__exit__(None, None, None)

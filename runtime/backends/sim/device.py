@@ -86,6 +86,27 @@ class SimDeviceParameter(SimDeviceTensor, torch.nn.Parameter):
     """A module's parameter moved to the simulated GPU (`module.to("cuda")` sets its `.data`)."""
 
 
+def patch_parameter_new() -> Callable[[], None]:
+    """`nn.Parameter(data)` of a device tensor or parameter makes a `SimDeviceParameter`, as
+    `nn.Parameter` of a CUDA tensor makes a parameter. (torch's own takes the sim's classes for
+    tensor subclasses: it wants `detach()` to return the parameter's class, and refuses a device
+    parameter, so `nn.Parameter(module.weight)` and weight-norm parametrizations failed.) Returns
+    what puts torch's back."""
+    original = torch.nn.Parameter.__dict__["__new__"]
+
+    def new(cls: type, data: Any = None, requires_grad: bool = True) -> Any:
+        if cls in _PARAMETER_CLASSES and isinstance(data, SimDeviceTensor):
+            return torch.Tensor._make_subclass(SimDeviceParameter, data, requires_grad)
+        return original.__func__(cls, data, requires_grad)
+
+    torch.nn.Parameter.__new__ = staticmethod(new)  # type: ignore[assignment]
+
+    def restore() -> None:
+        torch.nn.Parameter.__new__ = original  # type: ignore[method-assign]
+
+    return restore
+
+
 # `torch.load(weights_only=True)`, torch's default, rebuilds only the classes it is told are safe.
 torch.serialization.add_safe_globals([SimDeviceTensor, SimDeviceParameter])
 
