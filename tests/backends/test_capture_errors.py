@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from tests.conformance.case import another_stream
+
 
 def _item(be, x):
     return x.sum().item()
@@ -82,9 +84,9 @@ def test_failed_capture_restores_the_current_stream(be, illegal):
 
 def test_capture_failing_at_its_end_restores_the_current_stream(be):
     before = be.current_stream()
-    side = be.Stream()
     x = torch.ones(4, device=be.device)
     with pytest.raises(be.CaptureError), be.graph(be.Graph()):
+        side = another_stream(be)
         side.wait_stream(be.current_stream())
         with be.stream(side):
             x.mul(2)  # forked and never joined back: capture_end fails

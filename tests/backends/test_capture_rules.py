@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from tests.conformance.case import another_stream
+
 
 def test_manual_seed_with_another_seed_during_capture_raises(be):
     seed = torch.initial_seed()
@@ -39,10 +41,9 @@ def test_waiting_on_an_event_recorded_before_the_capture_raises(be):
 
 def test_allocating_on_a_stream_outside_the_capture_raises(be):
     x = torch.ones(1 << 20, device=be.device)
-    outsider = be.Stream()
     with pytest.raises(be.CaptureError), be.graph(be.Graph()):
         y = x * 2
-        with be.stream(outsider):
+        with be.stream(another_stream(be)):
             # a fresh allocation the caching allocator cannot serve from its cache
             torch.empty(64 << 20, dtype=torch.uint8, device=be.device).fill_(1)
         y.add_(1)

@@ -3,12 +3,14 @@
 import pytest
 import torch
 
+from tests.conformance.case import another_stream
+
 
 def _fork_join_capture(be, x, join: bool):
-    side = be.Stream()
     g = be.Graph()
     with be.graph(g):
         origin = be.current_stream()
+        side = another_stream(be)
         k0 = x + 1
         side.wait_stream(origin)
         k1 = k0 * 2

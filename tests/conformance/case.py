@@ -122,6 +122,20 @@ def busy(be: Any) -> None:
         torch.cuda._sleep(_BUSY_CYCLES)
 
 
+def another_stream(be: Any) -> Any:
+    """A new stream that is not the current one. On cuda `Stream()` hands out a fixed pool of
+    streams in turn, so a new one may be the very stream that is capturing: work "on another
+    stream" would then be part of the capture (an unjoined fork not refused, an outside
+    allocation taken by the graph's pool), depending on how many streams the process made
+    before."""
+    current = be.current_stream()
+    for _ in range(64):
+        stream = be.Stream()
+        if stream != current:
+            return stream
+    raise RuntimeError("every new stream is the current stream")
+
+
 def racy(be: Any, trial: Callable[[], str], shows: str, seeds: Iterable[int] = range(12)) -> str:
     """`shows` if some schedule makes `trial` show it, else what every schedule showed.
 

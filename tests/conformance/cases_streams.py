@@ -6,16 +6,16 @@ from typing import Any
 
 import torch
 
-from tests.conformance.case import busy, case, racy, value
+from tests.conformance.case import another_stream, busy, case, racy, value
 
 
 def _fork_join(be: Any, x: torch.Tensor, join: str) -> tuple[Any, torch.Tensor]:
     """k3 = 2 (x + 1) + 3 (x + 1), the two products on two streams; `join` picks how (or whether)
     the side stream is joined back."""
-    side = be.Stream()
     g = be.Graph()
     with be.graph(g):
         origin = be.current_stream()
+        side = another_stream(be)
         k0 = x + 1
         if join == "events":
             forked = be.Event()
@@ -79,10 +79,10 @@ def wait_on_an_event_recorded_before_capture(be: Any) -> str:
 def in_place_work_on_an_outside_stream_is_not_recorded(be: Any) -> str:
     x = torch.ones(4, device=be.device)
     side_result = torch.zeros(4, device=be.device)
-    outsider = be.Stream()
     g = be.Graph()
     with be.graph(g):
         x * 2
+        outsider = another_stream(be)
         with be.stream(outsider):  # never forked into the capture: runs now
             torch.mul(x, 7, out=side_result)
     be.synchronize()
@@ -99,10 +99,10 @@ def in_place_work_on_an_outside_stream_is_not_recorded(be: Any) -> str:
 )
 def allocation_on_an_outside_stream_during_capture(be: Any) -> str:
     x = torch.ones(4, device=be.device)
-    outsider = be.Stream()
     g = be.Graph()
     with be.graph(g):
         x * 2
+        outsider = another_stream(be)
         with be.stream(outsider):
             # 32 MiB: no cached block can serve it, so the allocator must ask the driver.
             torch.zeros(8 << 20, device=be.device)
