@@ -36,11 +36,11 @@ from pytest_graphmode.runtime.backends.sim.capture import (
 )
 from pytest_graphmode.runtime.backends.sim.device import (
     SIM_DEVICE,
-    DeviceMode,
     SimDeviceTensor,
     mark_device,
     patch_parameter_new,
 )
+from pytest_graphmode.runtime.backends.sim.device_mode import DeviceMode
 from pytest_graphmode.runtime.backends.sim.frees import StreamOrderedFrees
 from pytest_graphmode.runtime.backends.sim.generators import is_device_generator
 from pytest_graphmode.runtime.backends.sim.happens_before import HOST, RaceChecker, Touch

@@ -25,18 +25,30 @@ import torch
 import torch.cuda.graphs
 import torch.cuda.nvtx
 import torch.cuda.streams
-from torch.utils._pytree import tree_map_only
 
 from pytest_graphmode.runtime.backends.sim.backend import SimBackend, SimGraph, current_backend
 from pytest_graphmode.runtime.backends.sim.device import is_sim_device
-from pytest_graphmode.runtime.backends.sim.generators import check_reseed
-from pytest_graphmode.runtime.backends.sim.limits import SimUnsupportedError
+from pytest_graphmode.runtime.backends.sim.stand_ins import (
+    SIM_MEMORY,
+    SimDeviceContext,
+    SimDeviceProperties,
+    SimGenerator,
+    SimGraphContext,
+    SimMemPool,
+    SimNvtx,
+    device_of,
+    loader,
+    memory_snapshot,
+    memory_stats,
+    memory_summary,
+    nothing,
+    one_device,
+    sleep,
+    unsupported,
+    use_mem_pool,
+    zero,
+)
 from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream
-
-SIM_MEMORY = 8 << 30
-"""The device memory the drop-in reports (`mem_get_info`, `get_device_properties`), in bytes. The
-sim does not account device memory: a runner that sizes its KV cache from free memory gets this
-much, as plain host memory."""
 
 _ABSENT = object()
 _depth = 0
@@ -104,247 +116,37 @@ def _restore() -> None:
     _other_originals.clear()
 
 
-class SimGenerator(torch._C.Generator):
-    """`torch.Generator(device="cuda")` on the sim: a CPU generator (the sim's device draws run on
-    the CPU) that reports `cuda:0`. A generator for any other device is torch's own."""
-
-    def __new__(cls, device: Any = "cpu") -> Any:
-        if device is None or not is_sim_device(device):
-            return torch._C.Generator(device if device is not None else "cpu")
-        _one_device(device)
-        base: Any = torch._C.Generator  # its __new__ takes the device; typeshed says object's
-        return base.__new__(cls, "cpu")
-
-    def __init__(self, device: Any = "cpu") -> None:
-        # Everything was set up in __new__ (torch's generator takes no __init__ arguments).
-        pass
-
-    @property
-    def device(self) -> torch.device:  # type: ignore[override]
-        return torch.device("cuda", 0)
-
-    def manual_seed(self, seed: Any) -> SimGenerator:
-        check_reseed(current_backend(), self, seed)
-        super().manual_seed(seed)
-        return self
-
-
-def _one_device(device: Any = None) -> None:
-    """Accept the sim's only device (None, 0, "cuda", "cuda:0", a torch.device of it)."""
-    if device is None:
-        return
-    if isinstance(device, SimStream | SimEvent):
-        return
-    index = device if isinstance(device, int) else torch.device(device).index
-    if not is_sim_device(device) or index not in (None, 0):
-        raise ValueError(f"the sim has one device, cuda:0; got {device!r}")
-
-
-class _SimGraphContext:
-    """`torch.cuda.graph(g, pool=, stream=, capture_error_mode=)` on the sim."""
-
-    def __init__(
-        self,
-        cuda_graph: SimGraph,
-        pool: Any = None,
-        stream: SimStream | None = None,
-        capture_error_mode: str = "global",
-    ) -> None:
-        self._context = current_backend().graph(cuda_graph, pool, stream, capture_error_mode)
-
-    def __enter__(self) -> SimGraph:
-        return self._context.__enter__()
-
-    def __exit__(self, *exc: Any) -> bool | None:
-        return self._context.__exit__(*exc)
-
-
-class _SimDeviceContext:
-    """`torch.cuda.device(d)`: the sim has one device, so selecting it changes nothing."""
-
-    def __init__(self, device: Any) -> None:
-        _one_device(device)
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-class SimMemPool:
-    """`torch.cuda.MemPool()` on the sim: `id` is a graph pool handle, to pass as
-    `torch.cuda.graph(..., pool=mem_pool.id)`. Its memory is the graph pool's; allocations made
-    under `torch.cuda.use_mem_pool(pool)` outside a capture are ordinary sim device memory."""
-
-    def __init__(self, allocator: Any = None, *args: Any, **kwargs: Any) -> None:
-        if allocator is not None:
-            raise SimUnsupportedError("torch.cuda.MemPool with a custom allocator")
-        self.id = current_backend().graph_pool_handle()
-
-
-@contextlib.contextmanager
-def _use_mem_pool(pool: SimMemPool, device: Any = None) -> Iterator[None]:
-    _one_device(device)
-    yield
-
-
-class SimDeviceProperties:
-    """`torch.cuda.get_device_properties()` on the sim: the fields a runner sizes itself by. Any
-    other field is a question about real hardware, and raises."""
-
-    name = "pytest-graphmode sim"
-    major, minor = 9, 0
-    total_memory = SIM_MEMORY
-    multi_processor_count = 132
-    is_integrated = False
-    is_multi_gpu_board = False
-
-    def __getattr__(self, field: str) -> Any:
-        raise SimUnsupportedError(f"torch.cuda.get_device_properties().{field}")
-
-    def __repr__(self) -> str:
-        return f"SimDeviceProperties(name={self.name!r}, total_memory={self.total_memory})"
-
-
-def _device_of(obj: Any) -> _SimDeviceContext:
-    """`torch.cuda.device_of(t)`: the device of a device tensor, else no change of device."""
-    return _SimDeviceContext(0 if getattr(obj, "is_cuda", False) else None)
-
-
-def _sleep(cycles: int) -> None:
-    """`torch.cuda._sleep(cycles)`: a kernel that only takes time. The sim has no kernel time (its
-    scheduler decides how far queued work has run), so it queues nothing."""
-    if not isinstance(cycles, int) or isinstance(cycles, bool):
-        raise TypeError(f"_sleep(): argument 'cycles' must be int, not {type(cycles).__name__}")
-
-
-def _loader(host_load: Callable[..., Any]) -> Callable[..., Any]:
-    """`torch.load` with `map_location` naming a device: to "cuda", torch would make CUDA
-    storages, which a host without a GPU cannot; to "cpu", the sim's device tensors in the file
-    (their class is saved) would come back on the device. The sim loads, then moves every
-    tensor and module of the result where it was asked (tensors that shared storage in the
-    file each get their own copy). Without `map_location`, tensors come back where they were."""
-
-    def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(map_location, str | torch.device | int) and is_sim_device(map_location):
-            _one_device(map_location)
-            target = "cuda"
-        elif (
-            isinstance(map_location, str | torch.device)
-            and torch.device(map_location).type == "cpu"
-        ):
-            target = "cpu"
-        else:
-            return host_load(f, map_location, *args, **kwargs)
-        loaded = host_load(f, "cpu", *args, **kwargs)
-        return tree_map_only((torch.Tensor, torch.nn.Module), lambda item: item.to(target), loaded)
-
-    return load
-
-
-def _memory_stats(device: Any = None) -> dict[str, int]:
-    _one_device(device)
-    return {
-        "allocated_bytes.all.current": 0,
-        "allocated_bytes.all.peak": 0,
-        "reserved_bytes.all.current": 0,
-        "reserved_bytes.all.peak": 0,
-        "num_alloc_retries": 0,
-        "num_ooms": 0,
-    }
-
-
-def _zero(device: Any = None) -> int:
-    _one_device(device)
-    return 0
-
-
-def _nothing(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-def _memory_summary(device: Any = None, abbreviated: bool = False) -> str:
-    _one_device(device)
-    return "pytest-graphmode sim: device memory is host memory, and the sim does not account it\n"
-
-
-def _memory_snapshot(*args: Any, **kwargs: Any) -> list[Any]:
-    return []  # no caching-allocator segments: the sim's device memory is the CPU allocator's
-
-
-def _unsupported(call: str) -> Callable[..., Any]:
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise SimUnsupportedError(call)
-
-    return refuse
-
-
-class _SimNvtx:
-    """torch.cuda.nvtx's binding on the sim, with the binding's method names. Ranges and marks
-    annotate a profiler's timeline, and the sim has none, so they do nothing (on a CPU build of
-    torch, torch's own would raise)."""
-
-    def __init__(self) -> None:
-        self._depth = 0
-        self._ranges = 0
-
-    def rangePushA(self, msg: str) -> int:
-        self._depth += 1
-        return self._depth - 1
-
-    def rangePop(self) -> int:
-        self._depth = max(self._depth - 1, 0)
-        return self._depth
-
-    def rangeStartA(self, msg: str) -> int:
-        self._ranges += 1
-        return self._ranges
-
-    def rangeEnd(self, range_id: int) -> None:
-        return None
-
-    def markA(self, msg: str) -> None:
-        return None
-
-    def deviceRangeStart(self, msg: str, stream: int = 0) -> object:
-        return object()
-
-    def deviceRangeEnd(self, handle: object, stream: int = 0) -> None:
-        return None
-
-
 def _surface(backend: SimBackend) -> dict[str, Any]:
     def stream_on(device: Any = None) -> SimStream:
-        _one_device(device)
+        one_device(device)
         return backend.current_stream()
 
     def default_on(device: Any = None) -> SimStream:
-        _one_device(device)
+        one_device(device)
         return backend.default_stream()
 
     def synchronize(device: Any = None) -> None:
-        _one_device(device)
+        one_device(device)
         backend.synchronize()
 
     def mem_get_info(device: Any = None) -> tuple[int, int]:
-        _one_device(device)
+        one_device(device)
         return SIM_MEMORY, SIM_MEMORY
 
     def properties(device: Any = None) -> SimDeviceProperties:
-        _one_device(device)
+        one_device(device)
         return SimDeviceProperties()
 
     def device_name(device: Any = None) -> str:
-        _one_device(device)
+        one_device(device)
         return SimDeviceProperties.name
 
     def capability(device: Any = None) -> tuple[int, int]:
-        _one_device(device)
+        one_device(device)
         return SimDeviceProperties.major, SimDeviceProperties.minor
 
     def set_device(device: Any) -> None:
-        _one_device(device)
+        one_device(device)
 
     def capturing() -> bool:
         return backend._active is not None
@@ -355,57 +157,57 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
         torch.default_generator.manual_seed(seed)
 
     def rng_state(device: Any = "cuda") -> torch.Tensor:
-        _one_device(device)
+        one_device(device)
         return torch.get_rng_state()
 
     def set_rng_state(state: torch.Tensor, device: Any = "cuda") -> None:
-        _one_device(device)
+        one_device(device)
         torch.set_rng_state(state)
 
     surface: dict[str, Callable[..., Any] | type] = {
         "is_available": lambda: True,
         "is_initialized": lambda: True,
-        "init": _nothing,
+        "init": nothing,
         "device_count": lambda: 1,
         "current_device": lambda: 0,
         "set_device": set_device,
-        "device": _SimDeviceContext,
-        "device_of": _device_of,
-        "_sleep": _sleep,
-        "ipc_collect": _nothing,
+        "device": SimDeviceContext,
+        "device_of": device_of,
+        "_sleep": sleep,
+        "ipc_collect": nothing,
         "get_device_name": device_name,
         "get_device_capability": capability,
         "get_device_properties": properties,
         "CUDAGraph": SimGraph,
-        "graph": _SimGraphContext,
+        "graph": SimGraphContext,
         "graph_pool_handle": backend.graph_pool_handle,
         "MemPool": SimMemPool,
-        "use_mem_pool": _use_mem_pool,
+        "use_mem_pool": use_mem_pool,
         "is_current_stream_capturing": capturing,
         "Stream": SimStream,
         "Event": SimEvent,
         "stream": backend.stream,
         "set_stream": backend.set_stream,
-        "ExternalStream": _unsupported("torch.cuda.ExternalStream (a stream made outside torch)"),
+        "ExternalStream": unsupported("torch.cuda.ExternalStream (a stream made outside torch)"),
         "current_stream": stream_on,
         "default_stream": default_on,
         "synchronize": synchronize,
-        "empty_cache": _nothing,
+        "empty_cache": nothing,
         "mem_get_info": mem_get_info,
-        "memory_stats": _memory_stats,
-        "memory_summary": _memory_summary,
-        "memory_snapshot": _memory_snapshot,
-        "utilization": _unsupported("torch.cuda.utilization (NVML)"),
-        "temperature": _unsupported("torch.cuda.temperature (NVML)"),
-        "power_draw": _unsupported("torch.cuda.power_draw (NVML)"),
-        "clock_rate": _unsupported("torch.cuda.clock_rate (NVML)"),
-        "memory_allocated": _zero,
-        "max_memory_allocated": _zero,
-        "memory_reserved": _zero,
-        "max_memory_reserved": _zero,
-        "reset_peak_memory_stats": _nothing,
-        "reset_max_memory_allocated": _nothing,
-        "reset_accumulated_memory_stats": _nothing,
+        "memory_stats": memory_stats,
+        "memory_summary": memory_summary,
+        "memory_snapshot": memory_snapshot,
+        "utilization": unsupported("torch.cuda.utilization (NVML)"),
+        "temperature": unsupported("torch.cuda.temperature (NVML)"),
+        "power_draw": unsupported("torch.cuda.power_draw (NVML)"),
+        "clock_rate": unsupported("torch.cuda.clock_rate (NVML)"),
+        "memory_allocated": zero,
+        "max_memory_allocated": zero,
+        "memory_reserved": zero,
+        "max_memory_reserved": zero,
+        "reset_peak_memory_stats": nothing,
+        "reset_max_memory_allocated": nothing,
+        "reset_accumulated_memory_stats": nothing,
         "manual_seed": manual_seed,
         "manual_seed_all": manual_seed,
         "seed": torch.seed,
@@ -458,7 +260,7 @@ def _submodule_surface(surface: dict[str, Any]) -> list[tuple[Any, str, Any]]:
         *((torch.cuda.graphs, name, surface[name]) for name in _GRAPHS_MODULE_NAMES),
         (torch.cuda.streams, "Stream", SimStream),
         (torch.cuda.streams, "Event", SimEvent),
-        (torch.cuda.nvtx, "_nvtx", _SimNvtx()),
+        (torch.cuda.nvtx, "_nvtx", SimNvtx()),
         # The device's default generator: the global one, which the sim's device draws use.
         (torch.cuda, "default_generators", (torch.default_generator,)),
         # torch.cuda's memory queries are torch.cuda.memory's, and may be called from there.
@@ -511,7 +313,7 @@ def _device_generic_surface(surface: dict[str, Any]) -> list[tuple[Any, str, Any
     return [
         (torch, "get_device_module", get_device_module),
         (torch, "set_default_device", set_default_device),
-        (torch, "load", _loader(torch.load)),
+        (torch, "load", loader(torch.load)),
         # Only the names this torch has: a name the sim added would be one a GPU host lacks.
         *(
             (torch.accelerator, name, value)

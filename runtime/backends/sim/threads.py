@@ -99,7 +99,7 @@ def follow_new_threads(backend: SimBackend) -> Callable[[], None]:
 @contextmanager
 def _follower_modes(backend: SimBackend) -> Iterator[None]:
     from pytest_graphmode.runtime.backends.sim.backend import FollowerSimMode
-    from pytest_graphmode.runtime.backends.sim.device import FollowerDeviceMode
+    from pytest_graphmode.runtime.backends.sim.device_mode import FollowerDeviceMode
 
     with FollowerDeviceMode(backend), FollowerSimMode(backend):
         yield

@@ -1,0 +1,234 @@
+"""The sim's stand-ins for the objects and functions of `torch.cuda` that the drop-in (drop_in.py)
+binds while it is active: a generator, graph and device contexts, a memory pool, device
+properties, memory queries, nvtx, `_sleep`, and `torch.load` to the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from pytest_graphmode.runtime.backends.sim.backend import SimGraph, current_backend
+from pytest_graphmode.runtime.backends.sim.device import is_sim_device
+from pytest_graphmode.runtime.backends.sim.generators import check_reseed
+from pytest_graphmode.runtime.backends.sim.limits import SimUnsupportedError
+from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream
+
+SIM_MEMORY = 8 << 30
+"""The device memory the drop-in reports (`mem_get_info`, `get_device_properties`), in bytes. The
+sim does not account device memory: a runner that sizes its KV cache from free memory gets this
+much, as plain host memory."""
+
+
+class SimGenerator(torch._C.Generator):
+    """`torch.Generator(device="cuda")` on the sim: a CPU generator (the sim's device draws run on
+    the CPU) that reports `cuda:0`. A generator for any other device is torch's own."""
+
+    def __new__(cls, device: Any = "cpu") -> Any:
+        if device is None or not is_sim_device(device):
+            return torch._C.Generator(device if device is not None else "cpu")
+        one_device(device)
+        base: Any = torch._C.Generator  # its __new__ takes the device; typeshed says object's
+        return base.__new__(cls, "cpu")
+
+    def __init__(self, device: Any = "cpu") -> None:
+        # Everything was set up in __new__ (torch's generator takes no __init__ arguments).
+        pass
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+    def manual_seed(self, seed: Any) -> SimGenerator:
+        check_reseed(current_backend(), self, seed)
+        super().manual_seed(seed)
+        return self
+
+
+def one_device(device: Any = None) -> None:
+    """Accept the sim's only device (None, 0, "cuda", "cuda:0", a torch.device of it)."""
+    if device is None:
+        return
+    if isinstance(device, SimStream | SimEvent):
+        return
+    index = device if isinstance(device, int) else torch.device(device).index
+    if not is_sim_device(device) or index not in (None, 0):
+        raise ValueError(f"the sim has one device, cuda:0; got {device!r}")
+
+
+class SimGraphContext:
+    """`torch.cuda.graph(g, pool=, stream=, capture_error_mode=)` on the sim."""
+
+    def __init__(
+        self,
+        cuda_graph: SimGraph,
+        pool: Any = None,
+        stream: SimStream | None = None,
+        capture_error_mode: str = "global",
+    ) -> None:
+        self._context = current_backend().graph(cuda_graph, pool, stream, capture_error_mode)
+
+    def __enter__(self) -> SimGraph:
+        return self._context.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._context.__exit__(*exc)
+
+
+class SimDeviceContext:
+    """`torch.cuda.device(d)`: the sim has one device, so selecting it changes nothing."""
+
+    def __init__(self, device: Any) -> None:
+        one_device(device)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class SimMemPool:
+    """`torch.cuda.MemPool()` on the sim: `id` is a graph pool handle, to pass as
+    `torch.cuda.graph(..., pool=mem_pool.id)`. Its memory is the graph pool's; allocations made
+    under `torch.cuda.use_mem_pool(pool)` outside a capture are ordinary sim device memory."""
+
+    def __init__(self, allocator: Any = None, *args: Any, **kwargs: Any) -> None:
+        if allocator is not None:
+            raise SimUnsupportedError("torch.cuda.MemPool with a custom allocator")
+        self.id = current_backend().graph_pool_handle()
+
+
+@contextlib.contextmanager
+def use_mem_pool(pool: SimMemPool, device: Any = None) -> Iterator[None]:
+    one_device(device)
+    yield
+
+
+class SimDeviceProperties:
+    """`torch.cuda.get_device_properties()` on the sim: the fields a runner sizes itself by. Any
+    other field is a question about real hardware, and raises."""
+
+    name = "pytest-graphmode sim"
+    major, minor = 9, 0
+    total_memory = SIM_MEMORY
+    multi_processor_count = 132
+    is_integrated = False
+    is_multi_gpu_board = False
+
+    def __getattr__(self, field: str) -> Any:
+        raise SimUnsupportedError(f"torch.cuda.get_device_properties().{field}")
+
+    def __repr__(self) -> str:
+        return f"SimDeviceProperties(name={self.name!r}, total_memory={self.total_memory})"
+
+
+def device_of(obj: Any) -> SimDeviceContext:
+    """`torch.cuda.device_of(t)`: the device of a device tensor, else no change of device."""
+    return SimDeviceContext(0 if getattr(obj, "is_cuda", False) else None)
+
+
+def sleep(cycles: int) -> None:
+    """`torch.cuda._sleep(cycles)`: a kernel that only takes time. The sim has no kernel time (its
+    scheduler decides how far queued work has run), so it queues nothing."""
+    if not isinstance(cycles, int) or isinstance(cycles, bool):
+        raise TypeError(f"_sleep(): argument 'cycles' must be int, not {type(cycles).__name__}")
+
+
+def loader(host_load: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch.load` with `map_location` naming a device: to "cuda", torch would make CUDA
+    storages, which a host without a GPU cannot; to "cpu", the sim's device tensors in the file
+    (their class is saved) would come back on the device. The sim loads, then moves every
+    tensor and module of the result where it was asked (tensors that shared storage in the
+    file each get their own copy). Without `map_location`, tensors come back where they were."""
+
+    def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(map_location, str | torch.device | int) and is_sim_device(map_location):
+            one_device(map_location)
+            target = "cuda"
+        elif (
+            isinstance(map_location, str | torch.device)
+            and torch.device(map_location).type == "cpu"
+        ):
+            target = "cpu"
+        else:
+            return host_load(f, map_location, *args, **kwargs)
+        loaded = host_load(f, "cpu", *args, **kwargs)
+        return tree_map_only((torch.Tensor, torch.nn.Module), lambda item: item.to(target), loaded)
+
+    return load
+
+
+def memory_stats(device: Any = None) -> dict[str, int]:
+    one_device(device)
+    return {
+        "allocated_bytes.all.current": 0,
+        "allocated_bytes.all.peak": 0,
+        "reserved_bytes.all.current": 0,
+        "reserved_bytes.all.peak": 0,
+        "num_alloc_retries": 0,
+        "num_ooms": 0,
+    }
+
+
+def zero(device: Any = None) -> int:
+    one_device(device)
+    return 0
+
+
+def nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
+    one_device(device)
+    return "pytest-graphmode sim: device memory is host memory, and the sim does not account it\n"
+
+
+def memory_snapshot(*args: Any, **kwargs: Any) -> list[Any]:
+    return []  # no caching-allocator segments: the sim's device memory is the CPU allocator's
+
+
+def unsupported(call: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise SimUnsupportedError(call)
+
+    return refuse
+
+
+class SimNvtx:
+    """torch.cuda.nvtx's binding on the sim, with the binding's method names. Ranges and marks
+    annotate a profiler's timeline, and the sim has none, so they do nothing (on a CPU build of
+    torch, torch's own would raise)."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._ranges = 0
+
+    def rangePushA(self, msg: str) -> int:
+        self._depth += 1
+        return self._depth - 1
+
+    def rangePop(self) -> int:
+        self._depth = max(self._depth - 1, 0)
+        return self._depth
+
+    def rangeStartA(self, msg: str) -> int:
+        self._ranges += 1
+        return self._ranges
+
+    def rangeEnd(self, range_id: int) -> None:
+        return None
+
+    def markA(self, msg: str) -> None:
+        return None
+
+    def deviceRangeStart(self, msg: str, stream: int = 0) -> object:
+        return object()
+
+    def deviceRangeEnd(self, handle: object, stream: int = 0) -> None:
+        return None
