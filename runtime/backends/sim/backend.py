@@ -222,8 +222,7 @@ class SimBackend:
         self._default = SimStream(_backend=self)
         self._streams = ThreadStreams()
         self.threads = SimThreads()
-        self._restore_thread_start: Callable[[], None] | None = None
-        self._restore_parameter_new: Callable[[], None] | None = None
+        self._restores: list[Callable[[], None]] = []
         self._capture_stream = SimStream(_backend=self)
         self._active: _Active | None = None
         self._passthrough = 0
@@ -234,7 +233,6 @@ class SimBackend:
         # Where the factory call being dispatched puts its result (True: the device), set by the
         # device mode for calls that name a device; None: decided by the operation's arguments.
         self._placing: bool | None = None
-        self._original_tolist: Callable[..., Any] | None = None
         self._races = RaceChecker()
         self._frees = StreamOrderedFrees(
             self._races, self._races.agent(self._default), self._pinned
@@ -256,9 +254,12 @@ class SimBackend:
             mode = _SimMode(self)
             mode.__enter__()
             self._mode = mode
-            self._original_tolist = _patch_tolist(self)
-            self._restore_thread_start = follow_new_threads(self)
-            self._restore_parameter_new = patch_parameter_new()
+            # torch names the sim replaces while active, each with what puts it back
+            self._restores = [
+                _patch_tolist(self),
+                follow_new_threads(self),
+                patch_parameter_new(),
+            ]
         self._activations += 1
 
     @serialized
@@ -268,7 +269,6 @@ class SimBackend:
             raise RuntimeError("deactivate() without a matching activate()")
         if self._activations == 1:
             assert self._mode is not None and self._device_mode is not None
-            assert self._original_tolist is not None
             stack = _get_current_dispatch_mode_stack()
             functions = _get_current_function_mode_stack()
             if not stack or stack[-1] is not self._mode:
@@ -292,18 +292,13 @@ class SimBackend:
             if self._active is None:
                 self._races.host_waits_for_all()
                 self._frees.host_passed_all()
-            torch.Tensor.tolist = self._original_tolist  # type: ignore[method-assign]
-            assert self._restore_thread_start is not None
-            assert self._restore_parameter_new is not None
-            self._restore_thread_start()
-            self._restore_parameter_new()
-            self._restore_thread_start = None
-            self._restore_parameter_new = None
+            for restore in reversed(self._restores):
+                restore()
+            self._restores = []
             self._mode.__exit__(None, None, None)
             self._mode = None
             self._device_mode.__exit__(None, None, None)
             self._device_mode = None
-            self._original_tolist = None
             self._activations -= 1
             if error is not None:
                 raise error
@@ -531,7 +526,10 @@ class SimBackend:
     @serialized
     def host_read(self, what: str, t: torch.Tensor | None = None) -> None:
         """The host is about to read device memory (`t`, when known): in a capture that is
-        illegal, else it waits for the current stream, which copies it to the host."""
+        illegal, else it waits for the current stream, which copies it to the host. The sim's
+        own internal work reads nothing for the program."""
+        if self._passthrough:
+            return
         active = self.capturing_here()
         if active is not None:
             raise active.capture.fail(
@@ -1050,9 +1048,9 @@ def _release_block(pool: Any, block: torch.Tensor) -> None:
     pool.release(block)
 
 
-def _patch_tolist(backend: SimBackend) -> Callable[..., Any]:
+def _patch_tolist(backend: SimBackend) -> Callable[[], None]:
     """`Tensor.tolist` reads memory without passing through the dispatcher: make it a host read.
-    Returns the original, for `deactivate` to put back."""
+    Returns what puts torch's back."""
     original = torch.Tensor.tolist
 
     def tolist(self: torch.Tensor) -> Any:
@@ -1067,4 +1065,8 @@ def _patch_tolist(backend: SimBackend) -> Callable[..., Any]:
         return original(self)
 
     torch.Tensor.tolist = tolist  # type: ignore[method-assign,assignment]
-    return original
+
+    def restore() -> None:
+        torch.Tensor.tolist = original  # type: ignore[method-assign]
+
+    return restore

@@ -71,7 +71,7 @@ class SimDeviceTensor(torch.Tensor):
         from pytest_graphmode.runtime.backends.sim.backend import current_backend
 
         backend = current_backend()
-        if backend.is_active and not backend._passthrough:
+        if backend.is_active:
             backend.host_read("saving a device tensor", self)
         return super().__reduce_ex__(proto)
 
@@ -127,7 +127,7 @@ def is_sim_device(device: Any) -> bool:
         return device.type == "cuda"
     if isinstance(device, str):
         return device.split(":", 1)[0] == "cuda"
-    return isinstance(device, int) and not isinstance(device, bool)
+    return is_index(device)
 
 
 def is_index(value: Any) -> bool:

@@ -27,7 +27,7 @@ import torch.cuda.nvtx
 import torch.cuda.streams
 
 from pytest_graphmode.runtime.backends.sim.backend import SimBackend, SimGraph, current_backend
-from pytest_graphmode.runtime.backends.sim.device import is_sim_device
+from pytest_graphmode.runtime.backends.sim.device import is_index, is_sim_device
 from pytest_graphmode.runtime.backends.sim.stand_ins import (
     SIM_MEMORY,
     SimDeviceContext,
@@ -287,7 +287,7 @@ def _device_generic_surface(surface: dict[str, Any]) -> list[tuple[Any, str, Any
     def set_default_device(device: Any) -> None:
         # torch makes a bare index a device of the host's accelerator, and a host without one
         # raises: it names the sim's device here.
-        if isinstance(device, int) and not isinstance(device, bool):
+        if is_index(device):
             device = torch.device("cuda", device)
         host_set_default_device(device)
 
@@ -298,6 +298,8 @@ def _device_generic_surface(surface: dict[str, Any]) -> list[tuple[Any, str, Any
         "synchronize": "synchronize",
         "current_stream": "current_stream",
         "set_stream": "set_stream",
+        "current_device_index": "current_device",
+        "current_device_idx": "current_device",
         "set_device_index": "set_device",
         "set_device_idx": "set_device",
         "device_index": "device",
@@ -306,8 +308,6 @@ def _device_generic_surface(surface: dict[str, Any]) -> list[tuple[Any, str, Any
     }
     accelerator = {
         "current_accelerator": current_accelerator,
-        "current_device_idx": surface["current_device"],
-        "current_device_index": surface["current_device"],
         **{name: surface[cuda_name] for name, cuda_name in same_as_cuda.items()},
     }
     return [

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_map
 
-from pytest_graphmode.runtime.backends.sim.device import SimDeviceTensor
+from pytest_graphmode.runtime.backends.sim.device import on_device
 
 aten = torch.ops.aten
 
@@ -82,7 +82,6 @@ _METADATA_OPS = frozenset(
     }
 )
 
-# Operations whose capture legality also depends on their arguments (`capture_violation`).
 # Operations whose CUDA kernel reads a 0-dim tensor value on the host (`value.item()`), and the
 # position of that value: a device tensor there is a host read.
 _VALUE_READ_ON_THE_HOST = {
@@ -91,6 +90,7 @@ _VALUE_READ_ON_THE_HOST = {
     aten.index_fill.int_Tensor: 3,
     aten.index_fill_.int_Tensor: 3,
 }
+# Operations whose capture legality also depends on their arguments (`capture_violation`).
 _ARGUMENT_CHECKED = {
     aten.repeat_interleave.Tensor,
     aten.repeat_interleave.self_Tensor,
@@ -198,7 +198,7 @@ def capture_violation(op: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) 
     ):
         return "histc without a range (min == max: CUDA reads the data's range on the host)"
     position = _VALUE_READ_ON_THE_HOST.get(func)
-    if position is not None and _on_device(_argument(args, kwargs, position, "value", None)):
+    if position is not None and on_device(_argument(args, kwargs, position, "value", None)):
         return (
             f"{op.name} with a device tensor as its value (CUDA reads it on the host, as "
             ".item()): pass a Python number, or use torch.where"
@@ -218,9 +218,9 @@ def _index_put_violation(args: Sequence[Any], kwargs: dict[str, Any]) -> str | N
     value = args[2]
     accumulate = bool(_argument(args, kwargs, 3, "accumulate", False))
     masks = [i for i in indices if _is_mask(i)]
-    host_value = isinstance(value, torch.Tensor) and not _on_device(value)
+    host_value = isinstance(value, torch.Tensor) and not on_device(value)
     if masks:
-        fill = len(indices) == 1 and _on_device(masks[0]) and not accumulate
+        fill = len(indices) == 1 and on_device(masks[0]) and not accumulate
         if fill and host_value and value.numel() == 1:
             return None
         return _MASK_INDEXING
@@ -235,10 +235,6 @@ def _index_put_violation(args: Sequence[Any], kwargs: dict[str, Any]) -> str | N
 
 def _is_mask(index: Any) -> bool:
     return isinstance(index, torch.Tensor) and index.dtype in _MASK_DTYPES
-
-
-def _on_device(value: Any) -> bool:
-    return isinstance(value, SimDeviceTensor)
 
 
 def _argument(

@@ -13,7 +13,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from pytest_graphmode.runtime.backends.sim.backend import SimGraph, current_backend
-from pytest_graphmode.runtime.backends.sim.device import is_sim_device
+from pytest_graphmode.runtime.backends.sim.device import is_index, is_sim_device
 from pytest_graphmode.runtime.backends.sim.generators import check_reseed
 from pytest_graphmode.runtime.backends.sim.limits import SimUnsupportedError
 from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream
@@ -135,7 +135,7 @@ def device_of(obj: Any) -> SimDeviceContext:
 def sleep(cycles: int) -> None:
     """`torch.cuda._sleep(cycles)`: a kernel that only takes time. The sim has no kernel time (its
     scheduler decides how far queued work has run), so it queues nothing."""
-    if not isinstance(cycles, int) or isinstance(cycles, bool):
+    if not is_index(cycles):
         raise TypeError(f"_sleep(): argument 'cycles' must be int, not {type(cycles).__name__}")
 
 
@@ -147,7 +147,7 @@ def loader(host_load: Callable[..., Any]) -> Callable[..., Any]:
     file each get their own copy). Without `map_location`, tensors come back where they were."""
 
     def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(map_location, str | torch.device | int) and is_sim_device(map_location):
+        if is_sim_device(map_location):
             one_device(map_location)
             target = "cuda"
         elif (
