@@ -119,6 +119,8 @@ def test_torch_cuda_is_restored_exactly_after_a_sim_campaign() -> None:
     before, generator = _torch_cuda(), torch.Generator
     accelerator, device_module = dict(vars(torch.accelerator)), torch.get_device_module
     load, set_default_device = torch.load, torch.set_default_device
+    device, autocasts = torch.device, (torch.autocast, torch.amp.autocast, torch.cuda.amp.autocast)
+    autocast_enabled = torch.is_autocast_enabled
     parameter_new = torch.nn.Parameter.__dict__["__new__"]
     submodules = {m: dict(vars(m)) for m in _SUBMODULES}
     stats = run_campaign(make_target, backend="sim", max_examples=2, max_steps=4, seed=1)
@@ -134,6 +136,8 @@ def test_torch_cuda_is_restored_exactly_after_a_sim_campaign() -> None:
     assert all(vars(torch.accelerator)[name] is accelerator[name] for name in accelerator)
     assert torch.get_device_module is device_module
     assert torch.load is load and torch.set_default_device is set_default_device
+    assert torch.device is device and torch.is_autocast_enabled is autocast_enabled
+    assert (torch.autocast, torch.amp.autocast, torch.cuda.amp.autocast) == autocasts
     assert torch.nn.Parameter.__dict__["__new__"] is parameter_new
     assert not is_active()
     assert torch.cuda.is_available() is cuda_available()
@@ -171,9 +175,9 @@ def test_an_op_with_only_a_cuda_kernel_is_refused_by_name() -> None:
 def test_device_properties_beyond_the_plausible_ones_are_refused() -> None:
     with drop_in():
         properties = torch.cuda.get_device_properties(0)
-        assert properties.multi_processor_count > 0
-        with pytest.raises(SimUnsupportedError, match=r"L2_cache_size.*pure-PyTorch"):
-            _ = properties.L2_cache_size
+        assert properties.multi_processor_count > 0 and properties.warp_size == 32
+        with pytest.raises(SimUnsupportedError, match=r"uuid.*pure-PyTorch"):
+            _ = properties.uuid
 
 
 def test_a_module_moved_to_cuda_runs_on_the_sim_device() -> None:
@@ -301,3 +305,18 @@ def test_a_graph_kept_for_instantiation_replays_and_a_driver_dump_names_itself()
         assert y.tolist() == [1.0] * 4
         with pytest.raises(SimUnsupportedError, match="debug_dump"):
             graph.debug_dump("graph.dot")
+
+
+def test_cudas_autocast_casts_stay_out_of_the_hosts_autocast() -> None:
+    # The casts CUDA's autocast adds to the CPU's (softmax to float32) apply inside an enabled
+    # CUDA autocast block on the sim only: the host's own autocast, after it, casts as before.
+    x = torch.ones(2, 4, dtype=torch.bfloat16)
+    with drop_in():
+        on_device = x.to("cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            inside = torch.softmax(on_device, -1).dtype
+            with torch.autocast("cuda", enabled=False):
+                disabled = torch.softmax(on_device, -1).dtype
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        host = torch.softmax(x, -1).dtype
+    assert (inside, disabled, host) == (torch.float32, torch.bfloat16, torch.bfloat16)

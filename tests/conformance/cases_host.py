@@ -212,3 +212,76 @@ def parameter_made_of_a_device_parameter(be: Any) -> str:
         normed = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(3, 3).to("cuda"))
         out = normed(torch.ones(1, 3, device="cuda"))
         return f"{tied.device} {same}, {out.device}"
+
+
+class _LoadedParameter(torch.nn.Parameter):
+    """A parameter class of a runner's own, as vLLM's: it carries how to load its weight."""
+
+    def __new__(cls, data: torch.Tensor, weight_loader: Any = None) -> _LoadedParameter:
+        return super().__new__(cls, data, requires_grad=False)
+
+    def __init__(self, data: torch.Tensor, weight_loader: Any = None) -> None:
+        self.weight_loader = weight_loader
+
+
+@case("_LoadedParameter cuda:0 rows, _LoadedParameter cuda:0 cols, _LoadedParameter cpu")
+def parameter_subclass_keeps_its_class_on_the_device(be: Any) -> str:
+    # Made on the device, and moved there with its module: the runner's class, on the device,
+    # and back.
+    with backends.target_scope(be.name):
+        made = _LoadedParameter(torch.zeros(2, device="cuda"), weight_loader="rows")
+        layer = torch.nn.Linear(2, 2)
+        layer.weight = _LoadedParameter(torch.ones(2, 2), weight_loader="cols")
+        layer.to("cuda")
+        moved = layer.weight
+        moved_device = moved.device  # before the module goes back to the host
+        layer.cpu()
+        return (
+            f"{type(made).__name__} {made.device} {made.weight_loader}, "
+            f"{type(moved).__name__} {moved_device} {moved.weight_loader}, "
+            f"{type(layer.weight).__name__} {layer.weight.device}"
+        )
+
+
+@case("cpu cpu, cuda:0")
+def loading_with_a_map_of_locations(be: Any) -> str:
+    # `map_location` as a dict maps the locations a file names: a device checkpoint read on the
+    # host, and a host one put on the device.
+    with backends.target_scope(be.name):
+        on_device, on_host = io.BytesIO(), io.BytesIO()
+        torch.save(
+            {"w": torch.ones(2, device="cuda"), "b": [torch.ones(1, device="cuda")]}, on_device
+        )
+        torch.save({"w": torch.ones(2)}, on_host)
+        on_device.seek(0)
+        on_host.seek(0)
+        to_host = torch.load(on_device, map_location={"cuda:0": "cpu"})
+        to_gpu = torch.load(on_host, map_location={"cpu": "cuda:0"})
+    return f"{to_host['w'].device} {to_host['b'][0].device}, {to_gpu['w'].device}"
+
+
+@case("cuda:0 cuda:0 True")
+def device_class_of_an_index(be: Any) -> str:
+    # `torch.device(rank)`, `torch.device(torch.cuda.current_device())`: an index names the GPU.
+    with backends.target_scope(be.name):
+        by_index = torch.device(0)
+        current = torch.device(torch.cuda.current_device())
+        return f"{by_index} {current} {isinstance(by_index, torch.device)}"
+
+
+@case("torch.bfloat16 torch.float16 float32 softmax, stored")
+def autocast_on_the_device(be: Any) -> str:
+    # A layer under autocast computes in half precision, and its output goes into a half
+    # precision cache by index (index_put_ wants matching dtypes); softmax stays in float32.
+    with backends.target_scope(be.name):
+        x = torch.ones(2, 4, device=be.device)
+        weight = torch.ones(4, 4, device=be.device)
+        cache = torch.zeros(4, 4, device=be.device, dtype=torch.bfloat16)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = torch.nn.functional.linear(x, weight)
+            probs = torch.softmax(out, -1)
+            cache[torch.tensor([1, 3], device=be.device)] = out
+        with torch.autocast("cuda"):
+            default = x @ weight
+        stored = "stored" if cache[1].float().sum().item() == 16.0 else "not stored"
+        return f"{out.dtype} {default.dtype} {str(probs.dtype)[6:]} softmax, {stored}"

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from pytest_graphmode.runtime import backends
 from tests.conformance.case import another_stream, busy, case, racy, value
 
 
@@ -268,3 +269,26 @@ def event_recorded_again_after_the_replay_is_waited_for(be: Any) -> str:
     g.replay()
     event.record()
     return _doubled_after_waiting(be, event, x)
+
+
+@case("the stream inside, the default after; priorities 0 to below 0")
+def stream_as_a_context_manager_and_its_priorities(be: Any) -> str:
+    with backends.target_scope(be.name):
+        default = torch.cuda.current_stream()
+        with torch.cuda.Stream() as made:
+            inside = torch.cuda.current_stream() == made
+        after = torch.cuda.current_stream() == default
+        least, greatest = torch.cuda.Stream.priority_range()
+    where = f"the stream {'inside' if inside else 'not current'}, "
+    where += f"the {'default' if after else 'other'} after"
+    return f"{where}; priorities {least} to {'below 0' if greatest < 0 else greatest}"
+
+
+@case("raises RuntimeError")
+def elapsed_time_of_events_made_without_timing(be: Any) -> str:
+    with backends.target_scope(be.name):
+        start, end = torch.cuda.Event(), torch.cuda.Event()
+        start.record()
+        end.record()
+        end.synchronize()
+        return f"{start.elapsed_time(end):.1f} ms"

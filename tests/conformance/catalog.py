@@ -8,6 +8,7 @@ from tests.conformance import (
     cases_frees,
     cases_graph,
     cases_host,
+    cases_inference,
     cases_lifetime,
     cases_ops,
     cases_pools,
@@ -32,6 +33,7 @@ MODULES = (
     cases_frees,
     cases_host,
     cases_threads,
+    cases_inference,
 )
 
 

@@ -130,10 +130,10 @@ def _points(
     memory: Any = target.executor._memory
     dispatch = backend._dispatch
 
-    def operation(func: Any, args: Any, kwargs: Any) -> Any:
+    def operation(func: Any, args: Any, kwargs: Any, mode: Any) -> Any:
         if not backend._passthrough:  # the sim's own work, not the runtime's
             interrupter.point(func)
-        return dispatch(func, args, kwargs)
+        return dispatch(func, args, kwargs, mode)
 
     patched: list[tuple[object, str]] = []
     try:

@@ -33,6 +33,7 @@ from pytest_graphmode.runtime.backends.sim.capture import (
     KEEPS_CAPTURED_PINNED_BLOCKS,
     Capture,
     Program,
+    keep_bases_of_views,
 )
 from pytest_graphmode.runtime.backends.sim.device import (
     SIM_DEVICE,
@@ -89,8 +90,8 @@ class _SimMode(TorchDispatchMode):
         with torch._C.DisableTorchFunction():
             if backend.threads.alive:
                 with backend.threads.lock:
-                    return backend._dispatch(func, args, kwargs or {})
-            return backend._dispatch(func, args, kwargs or {})
+                    return backend._dispatch(func, args, kwargs or {}, self)
+            return backend._dispatch(func, args, kwargs or {}, self)
 
 
 class FollowerSimMode(_SimMode):
@@ -783,10 +784,22 @@ class SimBackend:
                     watches.append(watch)
         return watches
 
-    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _dispatch(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], mode: _SimMode
+    ) -> Any:
         if self._passthrough:
             return func(*args, **kwargs)
         op = ops.facts(func)
+        if op.composite:
+            # Outside inference mode autograd breaks such an operation into the ones it is made
+            # of before the sim sees it; in inference mode (no autograd) it arrives whole, and
+            # some of them (`to`, `reshape`, `contiguous`) copy where their schema promises a
+            # view. Broken up here as autograd would, with the sim's mode entered again so that
+            # each part reaches it.
+            with mode:
+                return func.decompose(*args, **kwargs)
+        if op.metadata_query:
+            return func(*args, **kwargs)
         tensors, host = _tensors(args, kwargs)
         placing = self._placing
         if placing is None:
@@ -801,7 +814,10 @@ class SimBackend:
             if op.is_copy:
                 return self._cross(args, kwargs)
             self._check_host_operands(op, args, host)
-        return mark_device(self._device_op(op, args, kwargs, tensors, bool(host)))
+        result = mark_device(self._device_op(op, args, kwargs, tensors, bool(host)))
+        if op.is_view and args:
+            keep_bases_of_views(args[0], result)
+        return result
 
     def _host_op(
         self,

@@ -244,6 +244,20 @@ def _refs(args: list[Any], kwargs: dict[str, Any]) -> list[int]:
     return found
 
 
+def keep_bases_of_views(base: Any, result: Any) -> None:
+    """A view of a capture's output (or of a view of one) holds the output's Python object: the
+    output's pool block returns to the pool when that object dies (`Capture._allocate`). torch
+    keeps a view's base alive through autograd's view tracking, which inference mode switches
+    off: there a view outlived its base's object, and the pool handed its block, still in use,
+    to the next allocation."""
+    if not getattr(base, "_sim_pooled", False):
+        return
+    for out in result if isinstance(result, tuple | list) else (result,):
+        if isinstance(out, torch.Tensor):
+            out._sim_pooled = True  # type: ignore[attr-defined]
+            out._sim_view_of = base  # type: ignore[attr-defined]
+
+
 class Capture:
     """One capture in progress: turns intercepted operations into a Program."""
 
@@ -423,6 +437,7 @@ class Capture:
             # The block returns to the pool when the caller drops its tensor (and every view of it),
             # as a CUDA graph pool block does; the program's own handle does not keep it reserved.
             weakref.finalize(handed, self._release, self.pool, block)
+            handed._sim_pooled = True  # type: ignore[attr-defined]  # see keep_bases_of_views
             slot = self._bind(handed, self._new_slot(owned))
             self._owned.add(slot)
             fresh.append(handed)

@@ -29,6 +29,10 @@ SIM_DEVICE = torch.device("cuda", 0)
 """What sim tensors report as their device (`SimBackend.device`)."""
 
 CPU = torch.device("cpu")
+# not exported by torch.nn.parameter, so its stubs do not name it
+_UNINITIALIZED: type = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]
+# torch's device class itself: the drop-in rebinds `torch.device` to a stand-in (stand_ins.py)
+_DEVICE_CLASS = torch.device
 
 
 class SimDeviceTensor(torch.Tensor):
@@ -80,18 +84,52 @@ class SimDeviceParameter(SimDeviceTensor, torch.nn.Parameter):
     """A module's parameter moved to the simulated GPU (`module.to("cuda")` sets its `.data`)."""
 
 
+# A runner's own parameter classes (vLLM's carry a weight loader) keep their class on the device:
+# each gets a device twin, made at its first use, that is both the runner's class and a device
+# tensor. The runner's class comes first, so its methods win over the sim's, as they would over
+# torch's on CUDA; `device`, `is_cuda` and `record_stream` come from the sim's.
+_DEVICE_PARAMETERS: dict[type, type] = {torch.nn.Parameter: SimDeviceParameter}
+_HOST_PARAMETERS: dict[type, type] = {SimDeviceParameter: torch.nn.Parameter}
+
+
+def device_parameter_class(cls: type) -> type:
+    """The class a parameter of class `cls` has on the sim device."""
+    cls = host_parameter_class(cls)
+    twin = _DEVICE_PARAMETERS.get(cls)
+    if twin is None:
+        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        twin = type(cls.__name__, (cls, SimDeviceTensor), namespace)
+        _DEVICE_PARAMETERS[cls] = twin
+        _HOST_PARAMETERS[twin] = cls
+    return twin
+
+
+def host_parameter_class(cls: type) -> type:
+    """The class a parameter of class `cls` has on the host."""
+    return _HOST_PARAMETERS.get(cls, cls)
+
+
+def is_movable_parameter(t: Any) -> bool:
+    """A parameter whose class follows its side. Not a lazy module's uninitialized one: torch
+    swaps its class itself when it is materialized."""
+    return isinstance(t, torch.nn.Parameter) and not isinstance(t, _UNINITIALIZED)
+
+
 def patch_parameter_new() -> Callable[[], None]:
-    """`nn.Parameter(data)` of a device tensor or parameter makes a `SimDeviceParameter`, as
-    `nn.Parameter` of a CUDA tensor makes a parameter. (torch's own takes the sim's classes for
-    tensor subclasses: it wants `detach()` to return the parameter's class, and refuses a device
-    parameter, so `nn.Parameter(module.weight)` and weight-norm parametrizations failed.) Returns
-    what puts torch's back."""
+    """`nn.Parameter(data)` (or a runner's subclass of it) of a device tensor or parameter makes
+    the class's device twin, as `nn.Parameter` of a CUDA tensor makes a parameter on CUDA. (torch's
+    own takes the sim's classes for tensor subclasses: it wants `detach()` to return the
+    parameter's class, and refuses a device parameter, so `nn.Parameter(module.weight)` and
+    weight-norm parametrizations failed, and a subclass came back as a plain device tensor.)
+    Returns what puts torch's back."""
     original = torch.nn.Parameter.__dict__["__new__"]
 
     def new(cls: type, data: Any = None, requires_grad: bool = True) -> Any:
-        if cls in PARAMETER_CLASSES and isinstance(data, SimDeviceTensor):
-            return torch.Tensor._make_subclass(SimDeviceParameter, data, requires_grad)
-        return original.__func__(cls, data, requires_grad)
+        if issubclass(cls, _UNINITIALIZED):
+            return original.__func__(cls, data, requires_grad)
+        if isinstance(data, SimDeviceTensor):
+            return torch.Tensor._make_subclass(device_parameter_class(cls), data, requires_grad)
+        return original.__func__(host_parameter_class(cls), data, requires_grad)
 
     torch.nn.Parameter.__new__ = staticmethod(new)  # type: ignore[assignment]
 
@@ -123,7 +161,7 @@ def mark_device(result: Any) -> Any:
 
 def is_sim_device(device: Any) -> bool:
     """Whether a `device=` argument names the simulated GPU (any CUDA device, or a bare index)."""
-    if isinstance(device, torch.device):
+    if isinstance(device, _DEVICE_CLASS):
         return device.type == "cuda"
     if isinstance(device, str):
         return device.split(":", 1)[0] == "cuda"
@@ -148,8 +186,6 @@ def to_host(backend: SimBackend, t: torch.Tensor, dtype: torch.dtype, non_blocki
         backend.register_pinned(out)
     return out.copy_(t, non_blocking=non_blocking)
 
-
-PARAMETER_CLASSES = (torch.nn.Parameter, SimDeviceParameter)
 
 Handler = Callable[["SimBackend", Any, tuple[Any, ...], dict[str, Any]], Any]
 """A call's stand-in: (backend, the torch function, its args, its kwargs) -> its result."""

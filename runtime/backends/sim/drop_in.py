@@ -26,6 +26,11 @@ import torch.cuda.graphs
 import torch.cuda.nvtx
 import torch.cuda.streams
 
+from pytest_graphmode.runtime.backends.sim.autocast import (
+    SimAutocast,
+    SimCudaAutocast,
+    autocast_query,
+)
 from pytest_graphmode.runtime.backends.sim.backend import SimBackend, SimGraph, current_backend
 from pytest_graphmode.runtime.backends.sim.device import is_index, is_sim_device
 from pytest_graphmode.runtime.backends.sim.stand_ins import (
@@ -36,6 +41,7 @@ from pytest_graphmode.runtime.backends.sim.stand_ins import (
     SimGraphContext,
     SimMemPool,
     SimNvtx,
+    SimTorchDevice,
     device_of,
     loader,
     memory_snapshot,
@@ -314,6 +320,11 @@ def _device_generic_surface(surface: dict[str, Any]) -> list[tuple[Any, str, Any
         (torch, "get_device_module", get_device_module),
         (torch, "set_default_device", set_default_device),
         (torch, "load", loader(torch.load)),
+        (torch, "device", SimTorchDevice),
+        (torch, "autocast", SimAutocast),
+        (torch.amp, "autocast", SimAutocast),
+        (torch.cuda.amp, "autocast", SimCudaAutocast),
+        (torch, "is_autocast_enabled", autocast_query(torch.is_autocast_enabled)),
         # Only the names this torch has: a name the sim added would be one a GPU host lacks.
         *(
             (torch.accelerator, name, value)

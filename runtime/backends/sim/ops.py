@@ -52,6 +52,9 @@ EMPTY_OPS = {
 INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default}
 # Host data turned into a tensor inside the capture: the graph keeps it as a constant.
 CONSTANT_OPS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+# Questions about two tensors' types and shapes, asked of host and device tensors alike (in
+# inference mode `nn.Module.to` asks the first one of the dispatcher): no device work, no read.
+METADATA_QUERIES = {aten._has_compatible_shallow_copy_type.default, aten.is_same_size.default}
 
 _TENSOR_RETURN_TYPES = {
     "Tensor",
@@ -115,6 +118,7 @@ class OpFacts:
         "allocates",
         "argument_checked",
         "changes_metadata",
+        "composite",
         "constant",
         "empty",
         "fresh_positions",
@@ -122,6 +126,7 @@ class OpFacts:
         "indexing",
         "is_copy",
         "is_view",
+        "metadata_query",
         "name",
         "quiet",
         "return_count",
@@ -157,6 +162,12 @@ class OpFacts:
         self.argument_checked = func in _ARGUMENT_CHECKED
         self.indexing = func in INDEXING
         self.constant = func in CONSTANT_OPS
+        self.metadata_query = func in METADATA_QUERIES
+        # Made of other operations (torch's CompositeImplicitAutograd kernels): the sim meets it
+        # only in inference mode (SimBackend._dispatch).
+        self.composite = torch._C._dispatch_has_kernel_for_dispatch_key(
+            func.name(), "CompositeImplicitAutograd"
+        )
         self.is_copy = func is aten.copy_.default
         # In place, it changes a tensor's shape or storage rather than its bytes: queued, it must
         # run on the program's own tensor (frees.py holds other work's tensors through aliases).

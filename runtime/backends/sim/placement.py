@@ -4,7 +4,7 @@ dispatcher): factories with `device=` the sim device, `torch.tensor(data, device
 the host), `.to(...)` and the argument parsing `Tensor.to` and `nn.Module.to` share, `.cuda()`,
 `.cpu()`, `.type_as(...)`, `pin_memory=True`, `.pin_memory()`, `.is_pinned()`,
 `x.new_tensor(...)`, `one_hot` of device ids, and `x.data = y` (how `nn.Module.to` moves a
-parameter: it becomes a `SimDeviceParameter`).
+parameter: it takes its class's device twin, device.py).
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import torch
 
 from pytest_graphmode.runtime.backends.sim.device import (
     CPU,
-    PARAMETER_CLASSES,
     SIM_DEVICE,
     Handler,
-    SimDeviceParameter,
     SimDeviceTensor,
+    device_parameter_class,
+    host_parameter_class,
     is_index,
+    is_movable_parameter,
     is_sim_device,
     mark_device,
     on_device,
@@ -151,8 +152,9 @@ def _set_data(backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dic
     target, value = args
     func(target, value)
     device = on_device(value)
-    if isinstance(target, torch.nn.Parameter) and type(target) in PARAMETER_CLASSES:
-        target.__class__ = SimDeviceParameter if device else torch.nn.Parameter
+    if is_movable_parameter(target):
+        host = host_parameter_class(type(target))
+        target.__class__ = device_parameter_class(host) if device else host
     elif type(target) in (torch.Tensor, SimDeviceTensor):
         target.__class__ = SimDeviceTensor if device else torch.Tensor
     return None

@@ -49,6 +49,32 @@ class SimGenerator(torch._C.Generator):
         return self
 
 
+_TORCH_DEVICE = torch.device
+
+
+class _DeviceClass(type):
+    """Makes `SimTorchDevice` stand for torch's device class: calls, `isinstance` and
+    `issubclass` reach torch's (a C type no Python class may subclass)."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        # torch asks its accelerator what a bare index means, and a host without one raises.
+        if len(args) == 1 and not kwargs and is_index(args[0]):
+            return _TORCH_DEVICE("cuda", args[0])
+        return _TORCH_DEVICE(*args, **kwargs)
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, _TORCH_DEVICE)
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return issubclass(subclass, _TORCH_DEVICE)
+
+
+class SimTorchDevice(metaclass=_DeviceClass):
+    """`torch.device` in the drop-in: `torch.device(0)` (`torch.device(rank)`,
+    `torch.device(torch.cuda.current_device())`) is `cuda:0`, as on a host with a GPU; every other
+    call, and every device it makes, is torch's own."""
+
+
 def one_device(device: Any = None) -> None:
     """Accept the sim's only device (None, 0, "cuda", "cuda:0", a torch.device of it)."""
     if device is None:
@@ -110,8 +136,9 @@ def use_mem_pool(pool: SimMemPool, device: Any = None) -> Iterator[None]:
 
 
 class SimDeviceProperties:
-    """`torch.cuda.get_device_properties()` on the sim: the fields a runner sizes itself by. Any
-    other field is a question about real hardware, and raises."""
+    """`torch.cuda.get_device_properties()` on the sim: the fields a runner sizes itself by, as a
+    GPU of compute capability 9.0 (132 multiprocessors) reports them. Any other field (a UUID, a
+    PCI bus, clock rates) is a question about a real board, and raises."""
 
     name = "pytest-graphmode sim"
     major, minor = 9, 0
@@ -119,6 +146,14 @@ class SimDeviceProperties:
     multi_processor_count = 132
     is_integrated = False
     is_multi_gpu_board = False
+    # What every GPU of compute capability 9.0 has, which kernels size their launches by.
+    warp_size = 32
+    max_threads_per_multi_processor = 2048
+    regs_per_multiprocessor = 65536
+    shared_memory_per_block = 48 * 1024
+    shared_memory_per_block_optin = 227 * 1024
+    shared_memory_per_multiprocessor = 228 * 1024
+    L2_cache_size = 50 * 1024 * 1024
 
     def __getattr__(self, field: str) -> Any:
         raise SimUnsupportedError(f"torch.cuda.get_device_properties().{field}")
@@ -140,27 +175,51 @@ def sleep(cycles: int) -> None:
 
 
 def loader(host_load: Callable[..., Any]) -> Callable[..., Any]:
-    """`torch.load` with `map_location` naming a device: to "cuda", torch would make CUDA
-    storages, which a host without a GPU cannot; to "cpu", the sim's device tensors in the file
-    (their class is saved) would come back on the device. The sim loads, then moves every
-    tensor and module of the result where it was asked (tensors that shared storage in the
-    file each get their own copy). Without `map_location`, tensors come back where they were."""
+    """`torch.load` with `map_location` naming a device, or a dict of locations: to "cuda", torch
+    would make CUDA storages, which a host without a GPU cannot; to "cpu", the sim's device
+    tensors in the file (their class is saved) would come back on the device; and the file of a
+    device tensor names the host as its location. The sim loads on the host, then moves every
+    tensor and module of the result where it was asked (tensors that shared storage in the file
+    each get their own copy). Without `map_location`, tensors come back where they were."""
 
     def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if is_sim_device(map_location):
-            one_device(map_location)
-            target = "cuda"
-        elif (
+        if isinstance(map_location, dict):
+            locations = {str(k): v for k, v in map_location.items()}
+
+            def where(t: torch.Tensor) -> Any:
+                saved = "cuda:0" if t.is_cuda else "cpu"
+                return locations.get(saved, saved)
+
+        elif is_sim_device(map_location) or (
             isinstance(map_location, str | torch.device)
             and torch.device(map_location).type == "cpu"
         ):
-            target = "cpu"
+
+            def where(t: torch.Tensor) -> Any:
+                return map_location
+
         else:
             return host_load(f, map_location, *args, **kwargs)
         loaded = host_load(f, "cpu", *args, **kwargs)
-        return tree_map_only((torch.Tensor, torch.nn.Module), lambda item: item.to(target), loaded)
+        return tree_map_only((torch.Tensor, torch.nn.Module), _mover(where), loaded)
 
     return load
+
+
+def _mover(where: Callable[[torch.Tensor], Any]) -> Callable[[Any], Any]:
+    def move_tensor(t: torch.Tensor) -> torch.Tensor:
+        target = where(t)
+        if is_sim_device(target):
+            one_device(target)
+            target = "cuda"
+        return t.to(target)
+
+    def move(item: Any) -> Any:
+        if isinstance(item, torch.nn.Module):
+            return item._apply(move_tensor)
+        return move_tensor(item)
+
+    return move
 
 
 def memory_stats(device: Any = None) -> dict[str, int]:

@@ -126,7 +126,12 @@ class StreamScheduler:
         elif isinstance(item, _Work):
             was_running, self._running = self._running, True
             try:
-                item.run()
+                # Below autograd, as the operation was when it was issued (the sim sees device
+                # work beneath it): work issued in inference mode writes inference tensors,
+                # which torch refuses to update above it, outside the mode, where a
+                # synchronize or a later operation runs the queue.
+                with torch._C._AutoDispatchBelowADInplaceOrView():
+                    item.run()
             finally:
                 self._running = was_running
 
@@ -143,6 +148,7 @@ class SimStream:
         self._backend = _backend or current_backend()
         self.priority = priority
         self.stream_id = next(_stream_ids)
+        self._entered_from: list[SimStream] = []  # the current streams `with` blocks replaced
 
     @property
     def is_default(self) -> bool:
@@ -177,6 +183,25 @@ class SimStream:
 
     def synchronize(self) -> None:
         self._backend.stream_synchronize(self)
+
+    @property
+    def native_handle(self) -> int:
+        return self.cuda_stream
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        """(least, greatest) priority, as a GPU of compute capability 9.0 reports them."""
+        return 0, -5
+
+    def __enter__(self) -> SimStream:
+        # `with torch.cuda.Stream() as s:` makes it the current stream for the block, as
+        # `torch.cuda.stream(s)` does.
+        self._entered_from.append(self._backend.current_stream())
+        self._backend.set_stream(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._backend.set_stream(self._entered_from.pop())
 
     def __repr__(self) -> str:
         kind = "default" if self.is_default else f"#{self.stream_id}"
@@ -221,6 +246,8 @@ class SimEvent:
 
     def elapsed_time(self, end: SimEvent) -> float:
         """Milliseconds between two completed events (wall clock of the simulated device)."""
+        if not (self.enable_timing and end.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
         if self.marker is None or end.marker is None or not (self.marker.done and end.marker.done):
             raise RuntimeError("elapsed_time needs both events recorded and completed")
         return (end.marker.at - self.marker.at) * 1e3
