@@ -740,10 +740,47 @@ def first_tokens_past_the_largest_graph(spec: TargetSpec) -> list[StepPlan]:
     return []
 
 
+def first_capture_on_long_contexts(spec: TargetSpec) -> list[StepPlan]:
+    """The simplest schedule in which a graph first captured for rows that are all long replays a
+    batch with a short row. A campaign runs it as its ninth example, after
+    `first_tokens_past_the_largest_graph`: the first example on fresh twins (kept twins are made
+    again every `kept_twins.FRESH_EVERY` examples), so a runner that captures a graph the first
+    time a batch needs it captures its graph of two rows here.
+
+    Two requests with prompts four positions short of the per-request limit are admitted and
+    prefilled together (half the step's token budget each, in as many steps as that takes), then
+    decode together: the graph of two rows meets two long contexts first. Then the first one
+    finishes and a one-token prompt is admitted beside the second one's decode, and the two decode
+    together on that graph. A value the runner derived on the host from the capture batch as a
+    lower bound (the first block a sliding window reads, the fewest blocks any row holds, a split
+    of the context by its longest row that leaves the shortest one empty) replays for the short
+    row as it was for the long ones. A random schedule holds this rarely: fresh twins' first graph
+    steps mostly follow a crowd of short prompts, and `first_phase_change` captures on a short
+    context before it replays the longest. Empty without the "prefill" feature (one token a step
+    could not reach a long context within `MAX_LEADING_STEPS`), where a step holds fewer than two
+    requests or tokens, or where the cache cannot hold the three requests."""
+    room = 4  # positions after the prompt: the decodes, and one short of the limit
+    budget = spec.max_num_tokens // 2
+    if "prefill" not in spec.features or spec.max_num_reqs < 2 or budget < 1:
+        return []
+    prefill_steps = MAX_LEADING_STEPS - 3
+    prompt = min(_capacity(spec) - room, prefill_steps * budget)
+    if prompt < 2 or 2 * _blocks(spec, prompt + room) + 1 > spec.num_blocks - 1:
+        return []
+    long = Arrival(prompt_len=prompt)
+    return [
+        StepPlan(kind="prefill", rows=2, arrivals=(long, long), chunk=budget),
+        *[StepPlan(kind="prefill", rows=2, chunk=budget)] * (-(-prompt // budget) - 1),
+        StepPlan(kind="decode", rows=2),
+        StepPlan(kind="mixed", rows=2, finish=(0,), arrivals=(Arrival(prompt_len=1),)),
+        StepPlan(kind="decode", rows=2),
+    ]
+
+
 def first_return_after_preemption(spec: TargetSpec) -> list[StepPlan]:
     """The simplest schedule in which a preempted request comes back and decodes on a graph. A
-    campaign runs it as its ninth example, after `first_tokens_past_the_largest_graph`, on the
-    same twins.
+    campaign runs it as its tenth example, after `first_capture_on_long_contexts`, on the same
+    twins.
 
     Two requests with one-token prompts, A (sampled where the spec samples) and B, are admitted
     and decode twice on a graph. Then A is preempted: B decodes beside C, a new one-token prompt

@@ -41,6 +41,7 @@ from pytest_graphmode.settings import hypothesis_settings, resolve_backend
 from pytest_graphmode.strategies.plans import StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
 from pytest_graphmode.strategies.schedules import (
+    first_capture_on_long_contexts,
     first_front_departure,
     first_handover,
     first_pair,
@@ -157,9 +158,10 @@ def run_campaign(
     new request listed before a continuing one, and short then long queries on one padded size
     (`first_handover`), then a decode beside a prefill three times, each delayed on cuda with one
     other stream held back alone (`first_stream_sweep`), then a speculative step with the request
-    count of a graph and more tokens than the largest (`first_tokens_past_the_largest_graph`), then
-    a preempted request coming back beside one that took its blocks, and decoding on a graph
-    (`first_return_after_preemption`).
+    count of a graph and more tokens than the largest (`first_tokens_past_the_largest_graph`), then,
+    on fresh twins, a graph first captured for two long contexts replaying a batch with a short row
+    (`first_capture_on_long_contexts`), then a preempted request coming back beside one that took
+    its blocks, and decoding on a graph (`first_return_after_preemption`).
     `seconds` is a time budget: once that many seconds have passed since the
     campaign started, no new example starts and the campaign ends as passed (a failure found before
     is shrunk as always, within `shrink_seconds`); `max_examples` still caps the count.
@@ -314,6 +316,7 @@ def _leading_schedules(spec: TargetSpec) -> list[list[StepPlan]]:
         first_handover(spec),
         first_stream_sweep(spec),
         first_tokens_past_the_largest_graph(spec),
+        first_capture_on_long_contexts(spec),
         first_return_after_preemption(spec),
     ]
 
@@ -337,7 +340,8 @@ LEADING = (
     " queries grow; requests alone on one graph in turn, with other sampling values and "
     "adapters, then a new request listed first and a query growing on one padded size; a decode "
     "beside a prefill with one stream held back alone in turn; a speculative step with more "
-    "tokens than the largest graph; a preempted request coming back and decoding on a graph), "
+    "tokens than the largest graph; a graph first captured for long contexts replaying a short "
+    "row; a preempted request coming back and decoding on a graph), "
     "and its replay ends at the failing step"
 )
 

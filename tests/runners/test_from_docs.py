@@ -65,6 +65,14 @@ CAUGHT_BY = {
     "max_seq_len_read_racing": "no_stream_races",  # seq_lens read back before their upload
     # a forward thread's stream never waits for the scheduling stream's uploads
     "forward_thread_skips_upload_wait": "no_stream_races",
+    # fresh upload tensors of a copy stream freed without record_stream (steps in inference mode)
+    "upload_freed_without_record_stream": "no_stream_races",
+    # a micro-batch's replay overwrites the outputs the previous one's download still reads
+    "async_download_overwritten": "no_stream_races",
+    # the graph's own upload reads a pinned staging buffer the runner replaced when it grew
+    "pinned_upload_in_capture": "replay_matches_eager",
+    # the batch's window start read on the host, baked in by a capture on long contexts
+    "window_start_baked": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
@@ -116,10 +124,13 @@ ON_CUDA["side_stream_escapes_capture"] = ("replay_matches_eager", "no_device_fau
 ON_CUDA["cached_index_evicted"] = RACE_ON_CUDA
 ON_CUDA["workspace_resized"] = RACE_ON_CUDA
 ON_CUDA["piecewise_attention_out_fresh"] = RACE_ON_CUDA
+# The replaced staging goes back to the pinned allocator, which may hand it out again: the graph
+# reads what was there when it was replaced, or what the allocator's next user wrote.
+ON_CUDA["pinned_upload_in_capture"] = RACE_ON_CUDA
 # The padding row's update of a live request's state shows in the state after the step, or
 # (seed 2 on the H200) first in the padding rows' effect on what the step returns.
 ON_CUDA["state_slot_padding"] = ("states_match", "padding_inert")
-LEADING = 9  # the campaign's fixed leading examples (fuzz/campaign.py)
+LEADING = 10  # the campaign's fixed leading examples (fuzz/campaign.py)
 
 
 def _factory(runner: str, name: str) -> TargetFactory:
