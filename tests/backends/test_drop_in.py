@@ -1,6 +1,7 @@
 """The drop-in: plain torch.cuda resolves to the sim inside `drop_in()`, torch is exactly restored
 after it, and what the sim cannot run is refused by name."""
 
+import io
 import types
 
 import pytest
@@ -320,3 +321,20 @@ def test_cudas_autocast_casts_stay_out_of_the_hosts_autocast() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         host = torch.softmax(x, -1).dtype
     assert (inside, disabled, host) == (torch.float32, torch.bfloat16, torch.bfloat16)
+
+
+def test_a_saved_view_of_a_capture_output_carries_none_of_the_sims_references() -> None:
+    # A view of a capture's output holds the output (so its pool block stays the graph's while
+    # the view lives); saving the view saves its values, not that reference.
+    with drop_in():
+        x = torch.ones(4, 4, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            first, _ = (x * 2).split(2, dim=1)
+        graph.replay()
+        saved = io.BytesIO()
+        torch.save(first, saved)
+        saved.seek(0)
+        loaded = torch.load(saved)
+        assert vars(first) and not vars(loaded)
+        assert loaded.device == first.device and loaded.tolist() == [[2.0, 2.0]] * 4

@@ -20,7 +20,7 @@ import torch
 
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
 from pytest_graphmode.runtime.backends.sim import footprint, ops
-from pytest_graphmode.runtime.backends.sim.device import SimDeviceTensor
+from pytest_graphmode.runtime.backends.sim.device import POOLED, VIEW_OF, SimDeviceTensor
 from pytest_graphmode.runtime.backends.sim.footprint import Footprint
 from pytest_graphmode.runtime.backends.sim.pool import poison_
 
@@ -250,12 +250,12 @@ def keep_bases_of_views(base: Any, result: Any) -> None:
     keeps a view's base alive through autograd's view tracking, which inference mode switches
     off: there a view outlived its base's object, and the pool handed its block, still in use,
     to the next allocation."""
-    if not getattr(base, "_sim_pooled", False):
+    if not getattr(base, POOLED, False):
         return
     for out in result if isinstance(result, tuple | list) else (result,):
         if isinstance(out, torch.Tensor):
-            out._sim_pooled = True  # type: ignore[attr-defined]
-            out._sim_view_of = base  # type: ignore[attr-defined]
+            setattr(out, POOLED, True)
+            setattr(out, VIEW_OF, base)
 
 
 class Capture:
@@ -437,7 +437,7 @@ class Capture:
             # The block returns to the pool when the caller drops its tensor (and every view of it),
             # as a CUDA graph pool block does; the program's own handle does not keep it reserved.
             weakref.finalize(handed, self._release, self.pool, block)
-            handed._sim_pooled = True  # type: ignore[attr-defined]  # see keep_bases_of_views
+            setattr(handed, POOLED, True)  # see keep_bases_of_views
             slot = self._bind(handed, self._new_slot(owned))
             self._owned.add(slot)
             fresh.append(handed)

@@ -35,6 +35,11 @@ _UNINITIALIZED: type = torch.nn.parameter.UninitializedTensorMixin  # type: igno
 _DEVICE_CLASS = torch.device
 
 
+POOLED, VIEW_OF = "_sim_pooled", "_sim_view_of"
+"""Attributes the sim sets on a capture's outputs and their views (capture.keep_bases_of_views)."""
+SIM_ATTRIBUTES = (POOLED, VIEW_OF)
+
+
 class SimDeviceTensor(torch.Tensor):
     """A tensor on the simulated GPU: CPU storage that reports `SIM_DEVICE`."""
 
@@ -77,7 +82,12 @@ class SimDeviceTensor(torch.Tensor):
         backend = current_backend()
         if backend.is_active:
             backend.host_read("saving a device tensor", self)
-        return super().__reduce_ex__(proto)
+        # The sim's own references (capture.keep_bases_of_views) are not the tensor's to save.
+        own = {name: self.__dict__.pop(name) for name in SIM_ATTRIBUTES if name in self.__dict__}
+        try:
+            return super().__reduce_ex__(proto)
+        finally:
+            self.__dict__.update(own)
 
 
 class SimDeviceParameter(SimDeviceTensor, torch.nn.Parameter):
