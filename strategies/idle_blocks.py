@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from pytest_graphmode.contract import Batch, TargetSpec, kv_slot, request_slots, slot_major
-from pytest_graphmode.strategies.stressors import live_indices
+from pytest_graphmode.strategies.stressors import live_indices, writes_into_targets
 
 MARK = 0.5
 """What every element of an idle slot holds during the step: finite and exact in every floating
@@ -49,8 +49,9 @@ class MarkedBlocks:
     saved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (bits, slots, their rows)
 
     def restore(self) -> None:
-        for bits, slots, rows in self.saved:
-            bits.index_copy_(0, slots, rows)
+        with writes_into_targets():
+            for bits, slots, rows in self.saved:
+                bits.index_copy_(0, slots, rows)
         self.saved = []
 
 
@@ -88,9 +89,10 @@ def mark_idle_blocks(
     slots = idle_slots(spec, batches)
     if not slots:
         return marked
-    for bits, index, mark in _marked_tensors(states, spec, slots):
-        marked.saved.append((bits, index, bits.index_select(0, index)))
-        bits.index_fill_(0, index, mark)
+    with writes_into_targets():
+        for bits, index, mark in _marked_tensors(states, spec, slots):
+            marked.saved.append((bits, index, bits.index_select(0, index)))
+            bits.index_fill_(0, index, mark)
     return marked
 
 
@@ -101,8 +103,9 @@ def mark_slots_to_write(
     `MARK`, saving nothing: the steps overwrite them (module docstring). Returns those slots."""
     slots = slots_to_write(spec, batches)
     if slots:
-        for bits, index, mark in _marked_tensors(states, spec, slots):
-            bits.index_fill_(0, index, mark)
+        with writes_into_targets():
+            for bits, index, mark in _marked_tensors(states, spec, slots):
+                bits.index_fill_(0, index, mark)
     return slots
 
 

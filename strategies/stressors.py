@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 
@@ -30,6 +31,15 @@ def live_indices(spec: TargetSpec, batches: Sequence[Batch]) -> tuple[list[int],
     size = spec.block_size
     slots = [b * size + i for b in blocks for i in range(size)]
     return blocks, slots
+
+
+def writes_into_targets() -> Any:
+    """The harness's own writes into a runner's tensors (poison, marks, a kept twin's restored
+    state), run below autograd. A tensor the runner made in inference mode (every tensor a
+    capture under it allocates, a buffer or cache made under it) is one torch refuses to update
+    in place outside the mode; the runner's own writes to it come from inside the mode, and the
+    harness's must pass as they do, on any backend."""
+    return torch._C._AutoDispatchBelowADInplaceOrView()
 
 
 def poison_static_buffers(
@@ -54,7 +64,8 @@ def poison_static_buffers(
             pool = [*live_blocks, *live_slots, -1, info.max, rng.randrange(info.max)]
             pool = [v for v in pool if info.min <= v <= info.max]
             values = _pick(pool, tensor, generator)
-        tensor.copy_(values.to(device=tensor.device, dtype=tensor.dtype))
+        with writes_into_targets():
+            tensor.copy_(values.to(device=tensor.device, dtype=tensor.dtype))
 
 
 def _pick(pool: Sequence[float], like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -67,7 +78,8 @@ def poison_null_block(state: Mapping[str, torch.Tensor], spec: TargetSpec) -> No
     start = spec.null_block * spec.block_size
     for tensor in state.values():
         if tensor.is_floating_point() and slot_major(tensor, spec):
-            tensor[start : start + spec.block_size].fill_(float("nan"))
+            with writes_into_targets():
+                tensor[start : start + spec.block_size].fill_(float("nan"))
 
 
 def churn(device: torch.device, count: int, rng: random.Random) -> list[torch.Tensor]:

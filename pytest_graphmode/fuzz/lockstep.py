@@ -290,8 +290,9 @@ class Lockstep:
                     "was made: the harness restores a kept twin through the tensors state() "
                     "returns"
                 )
-            for key, tensor in state.items():
-                tensor.copy_(saved[key])
+            with stressors.writes_into_targets():
+                for key, tensor in state.items():
+                    tensor.copy_(saved[key])
         self.backend.synchronize()
         self.backend.take_races()  # the harness's own restoring copies
         torch.manual_seed(seed)

@@ -16,7 +16,7 @@ import torch
 from hypothesis import Phase, configuration
 
 import pytest_graphmode.fuzz.campaign as campaign_module
-from pytest_graphmode.contract import Batch
+from pytest_graphmode.contract import Batch, StepResult
 from pytest_graphmode.fuzz import CHECKS, CampaignStats, GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.isolation import NO_DEVICE_FAULT
 from pytest_graphmode.fuzz.registry import RANK_CHECKS
@@ -456,3 +456,28 @@ def test_running_out_of_device_memory_outside_a_step_ends_the_campaign_with_that
         run_campaign(out_of_memory_target.graph_twins, max_examples=20, seed=0, stats=stats)
     assert stats.examples == 1
     assert stats.failures == [] and stats.first_failure_check is None and not stats.shrinking
+
+
+class _InferenceModeToy(toy.ToyTarget):
+    """The toy made and stepped in inference mode, as serving engines run: its cache and static
+    buffers are inference tensors, which torch refuses to update outside the mode."""
+
+    def __init__(self, mode: str, *, seed: int, backend: str) -> None:
+        with torch.inference_mode():
+            super().__init__(mode, seed=seed, backend=backend)
+
+    @torch.inference_mode()
+    def step(self, batch: Batch) -> StepResult:
+        return super().step(batch)
+
+    @torch.inference_mode()
+    def update_weights(self, seed: int) -> None:
+        super().update_weights(seed)
+
+
+def test_a_runner_made_in_inference_mode_is_poisoned_marked_and_restored():
+    # The harness's writes into the twins' tensors (poison, marks, a kept twin's restored state)
+    # pass as the runner's own writes inside the mode do.
+    stats = run_campaign(_InferenceModeToy, max_examples=12, max_steps=4, seed=0)
+    assert stats.failures == [] and stats.examples == 12
+    assert stats.checks_run["kv_writes_land"] > 0
