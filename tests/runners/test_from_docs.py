@@ -73,6 +73,10 @@ CAUGHT_BY = {
     "pinned_upload_in_capture": "replay_matches_eager",
     # the batch's window start read on the host, baked in by a capture on long contexts
     "window_start_baked": "replay_matches_eager",
+    # condensing the persistent batch leaves a moved request's sampling values behind
+    "condense_leaves_sampling_rows": "sampling_independent",
+    # the batch's sum of sequence lengths, read on the host, sizes the attention indices
+    "seq_lens_sum_baked": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
