@@ -91,8 +91,9 @@ def sampling_independent(
         ]
     rows = {r.req_id: i for i, r in enumerate(batch.requests)}
     mine = company.result.logits.detach().cpu().float()
-    theirs = eager.result.logits.detach().cpu().float()
-    tol = row_tolerance(theirs)
+    theirs = eager.result.logits.detach().cpu()
+    tol = row_tolerance(theirs)  # of the logits as the runner made them, not as upcast here
+    theirs = theirs.float()
     tokens = company.result.next_tokens.cpu().tolist()
     reference = eager.result.next_tokens.cpu().tolist()
     for row, request in enumerate(company_batch.requests):

@@ -120,6 +120,19 @@ def pool_of_a_graph_never_captured(be: Any) -> str:
     return "pool"
 
 
+@case("raises RuntimeError")
+def pool_of_a_reset_graph(be: Any) -> str:
+    # A runner that resets its graphs after a weight update and captures them again must take
+    # a pool from a graph still captured, or a new handle.
+    x = torch.ones(4, device=be.device)
+    g = be.Graph()
+    with be.graph(g):
+        x.mul_(2)
+    g.reset()
+    g.pool()
+    return "pool"
+
+
 @case("value=[2.0, 2.0, 2.0, 2.0]")
 def replay_on_the_default_stream(be: Any) -> str:
     x = torch.ones(4, device=be.device)

@@ -334,3 +334,37 @@ def test_a_slot_another_floating_tensor_wrote_has_landed() -> None:
 def test_state_without_floating_slot_major_tensors_gives_nothing_to_judge() -> None:
     ids = {"ids": torch.zeros(SPEC.num_slots, dtype=torch.int64)}
     assert kv_checks.kv_writes_land(BATCH, {"graph": ids}, SPEC) == []
+
+
+# Logits a half-precision model computed: the values a bfloat16 row holds, one of them in each row
+# a bfloat16 step (about 0.4%) away from the next one. Different kernels for different batch sizes
+# move such a model's logits by a bfloat16 step; float32 arithmetic would not.
+HALF_ROW = [0.6953125, -0.69140625, 1.2578125, 0.0234375]
+HALF_NEXT = [0.69140625, -0.69140625, 1.2578125, 0.0234375]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_half_precision_models_rounding_passes_as_bfloat16_or_upcast(dtype):
+    # Handed out as bfloat16, or upcast to float32 as engines do: the tolerance is bfloat16's.
+    eager = StepResult(
+        torch.tensor([HALF_ROW, HALF_ROW], dtype=dtype), torch.tensor([2, 2]), "eager", None
+    )
+    graph = StepResult(
+        torch.tensor([HALF_NEXT, HALF_ROW], dtype=dtype), torch.tensor([2, 2]), "full", 2
+    )
+    assert checks.replay_matches_eager(BATCH, Outcome(graph), Outcome(eager), SPEC) == []
+    sub = sampling_check.company_batch(BATCH)
+    company = Outcome(
+        StepResult(torch.tensor([HALF_NEXT], dtype=dtype), torch.tensor([2]), "eager", None)
+    )
+    assert sampling_check.sampling_independent(sub, company, BATCH, Outcome(eager), SPEC) == []
+
+
+def test_the_same_step_in_float32_logits_fails():
+    # The same difference between logits float32 arithmetic made (their low bits set) is one.
+    row = [v + 1e-6 for v in HALF_ROW]
+    eager = StepResult(torch.tensor([row, row]), torch.tensor([2, 2]), "eager", None)
+    moved = [HALF_NEXT[0] + 1e-6, *row[1:]]
+    graph = StepResult(torch.tensor([moved, row]), torch.tensor([2, 2]), "full", 2)
+    [v] = checks.replay_matches_eager(BATCH, Outcome(graph), Outcome(eager), SPEC)
+    assert (v.check, v.row) == ("replay_matches_eager", 0)

@@ -173,7 +173,10 @@ class SimGraph:
         self._backend._launch(self._program)
 
     def reset(self) -> None:
+        # As CUDA's: the graph lets go of its pool, and pool() has nothing to share until the
+        # next capture.
         self._program = None
+        self._pool = None
 
     def instantiate(self) -> None:
         """A sim graph is ready to replay when its capture ends (CUDA instantiates a
@@ -200,7 +203,7 @@ class SimGraph:
 
     def pool(self) -> Any:
         if self._pool is None:
-            raise RuntimeError("pool() of a graph that was never captured")
+            raise RuntimeError("pool() of a graph that was never captured, or was reset")
         return self._pool
 
 
