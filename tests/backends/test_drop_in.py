@@ -338,3 +338,24 @@ def test_a_saved_view_of_a_capture_output_carries_none_of_the_sims_references() 
         loaded = torch.load(saved)
         assert vars(first) and not vars(loaded)
         assert loaded.device == first.device and loaded.tolist() == [[2.0, 2.0]] * 4
+
+
+def test_a_kernel_the_cpu_lacks_for_these_dtypes_raises_at_the_call() -> None:
+    # Queued on a side stream or recorded in a capture, the operation runs later; its CPU kernel
+    # has no float8 case. The error comes at the call, as a dtype check does on a GPU, and is a
+    # NotImplementedError, so a runner's fallback for a missing kernel takes it.
+    with drop_in():
+        cache = torch.zeros(8, 4, device="cuda").to(torch.float8_e4m3fn)
+        rows = torch.ones(2, 4, device="cuda").to(torch.float8_e4m3fn)
+        slots = torch.tensor([1, 2], device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), pytest.raises(NotImplementedError, match="index_copy_"):
+            cache.index_copy_(0, slots, rows)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(NotImplementedError, match="Float8_e4m3fn"), torch.cuda.graph(graph):
+            cache.index_copy_(0, slots, rows)
+        torch.cuda.synchronize()  # nothing left queued raises later
+        cache[slots] = rows  # the fallback, index_put_, has a float8 kernel
+        assert cache.float()[1:3].tolist() == [[1.0] * 4] * 2

@@ -45,7 +45,11 @@ from pytest_graphmode.runtime.backends.sim.device_mode import DeviceMode
 from pytest_graphmode.runtime.backends.sim.frees import StreamOrderedFrees
 from pytest_graphmode.runtime.backends.sim.generators import is_device_generator
 from pytest_graphmode.runtime.backends.sim.happens_before import HOST, RaceChecker, Touch
-from pytest_graphmode.runtime.backends.sim.limits import SimUnsupportedError, check_runnable
+from pytest_graphmode.runtime.backends.sim.limits import (
+    SimUnsupportedError,
+    check_kernel_dtypes,
+    check_runnable,
+)
 from pytest_graphmode.runtime.backends.sim.ops import OpFacts
 from pytest_graphmode.runtime.backends.sim.pool import SimCapturePool, SimPoolHandle, poison_
 from pytest_graphmode.runtime.backends.sim.streams import (
@@ -907,6 +911,8 @@ class SimBackend:
             active.ops_on[stream] += 1
             if stream is not active.origin:
                 active.unjoined[stream] = True
+            if not op.quiet and ops.capture_violation(op, args, kwargs) is None:
+                check_kernel_dtypes(op, args, kwargs, self._internal)
             return active.capture.record(op, args, kwargs)
         self.scheduler.maybe_progress()
         if op.allocates and self._frees.watched:
@@ -922,6 +928,8 @@ class SimBackend:
             result = func(*args, **kwargs)
             self._note_call(stream, op, args, kwargs, result, tensors)
             return result
+        if not op.quiet:
+            check_kernel_dtypes(op, args, kwargs, self._internal)
         if host_scalars:
             args, kwargs = _baked(args), {k: _baked(v) for k, v in kwargs.items()}
             return self._defer(stream, op, args, kwargs, None)

@@ -8,7 +8,8 @@ hardware (driver calls, device properties beyond the plausible ones the drop-in 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,3 +46,68 @@ def check_runnable(op: OpFacts) -> None:
         op.runnable = not has(name, "CUDA") or any(has(name, key) for key in _RUNNABLE_KEYS)
     if not op.runnable:
         raise SimUnsupportedError(f"operator {op.func.name()} (it has a CUDA kernel only)")
+
+
+class SimKernelMissing(SimUnsupportedError, NotImplementedError):
+    """The CPU kernel of an operator has no case for these dtypes. A `NotImplementedError` as
+    torch's own is, so that a runner's fallback for a kernel a device lacks takes it."""
+
+
+# (operator, the dtypes of its tensor arguments) whose CPU kernel the sim has tried -> None when
+# it has a case for them, else what its kernel said
+_TRIED: dict[tuple[int, tuple[torch.dtype, ...]], str | None] = {}
+
+
+def check_kernel_dtypes(
+    op: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any], internal: Callable[[Any], Any]
+) -> None:
+    """Raise `SimKernelMissing` now for an operation the sim will run later (queued on a side
+    stream, or recorded in a capture) whose CPU kernel has no case for its dtypes (the CPU has no
+    float8 `index_copy_`, say). A GPU checks dtypes when the operation is called; the CPU kernel
+    would raise only when the work ran, from whatever call ran the queue, and a runner's fallback
+    around the call (transformers' `try: index_copy_ except NotImplementedError`) would never see
+    it. Tried once per operator and dtypes, on copies of the arguments (the sim's own work,
+    `internal`); any other error of the trial (a value the queued work has not written yet) is
+    left to the operation itself. Random operations are not tried: a trial would draw."""
+    key = (id(op.func), _dtypes(args, kwargs))
+    if key not in _TRIED:
+        _TRIED[key] = _trial(op, args, kwargs, internal)
+    missing = _TRIED[key]
+    if missing is not None:
+        raise SimKernelMissing(f"{op.name} on {', '.join(map(str, key[1]))} ({missing})")
+
+
+def _trial(
+    op: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any], internal: Callable[[Any], Any]
+) -> str | None:
+    if torch.Tag.nondeterministic_seeded in op.func.tags:
+        return None
+
+    def trial() -> None:
+        op.func(*_copies(args), **{k: _copies(v) for k, v in kwargs.items()})
+
+    try:
+        internal(trial)
+    except NotImplementedError as error:
+        return str(error)
+    except Exception:  # not a kernel the CPU lacks: the operation itself decides, when it runs
+        return None
+    return None
+
+
+def _dtypes(args: Any, kwargs: dict[str, Any]) -> tuple[torch.dtype, ...]:
+    found = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value.dtype)
+        elif isinstance(value, list | tuple):
+            found.extend(v.dtype for v in value if isinstance(v, torch.Tensor))
+    return tuple(found)
+
+
+def _copies(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, list | tuple):
+        return type(value)(_copies(v) for v in value)
+    return value
