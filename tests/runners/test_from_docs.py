@@ -77,6 +77,8 @@ CAUGHT_BY = {
     "condense_leaves_sampling_rows": "sampling_independent",
     # the batch's sum of sequence lengths, read on the host, sizes the attention indices
     "seq_lens_sum_baked": "replay_matches_eager",
+    # an fp8 KV cache's scales calibrated on the first forward: the capture's dummy rows
+    "fp8_scale_from_warmup": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
