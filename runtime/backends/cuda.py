@@ -36,6 +36,9 @@ class CudaBackend:
         self.stream = torch.cuda.stream
         self.synchronize = torch.cuda.synchronize
         self.graph_pool_handle = torch.cuda.graph_pool_handle
+        self.is_current_stream_capturing = torch.cuda.is_current_stream_capturing
+        self.empty_cache = torch.cuda.empty_cache
+        self.mem_get_info = torch.cuda.mem_get_info
 
     # Nothing of torch is patched on a GPU: activation only exists to be symmetrical with sim.
     is_active = True

@@ -37,6 +37,7 @@ from pytest_graphmode.runtime.backends.sim.capture import (
 )
 from pytest_graphmode.runtime.backends.sim.device import (
     SIM_DEVICE,
+    SIM_MEMORY,
     SimDeviceTensor,
     mark_device,
     patch_parameter_new,
@@ -381,6 +382,18 @@ class SimBackend:
 
     def graph_pool_handle(self) -> SimPoolHandle:
         return SimPoolHandle()
+
+    def is_current_stream_capturing(self) -> bool:
+        """Whether the current stream takes part in a capture (the capturing stream, or one
+        forked from it), as `torch.cuda.is_current_stream_capturing` answers."""
+        return self.capturing_here() is not None
+
+    def empty_cache(self) -> None:
+        """Nothing to give back: the sim's device memory is host memory, freed with its tensors."""
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory: the sim does not account it (`SIM_MEMORY`)."""
+        return SIM_MEMORY, SIM_MEMORY
 
     @contextmanager
     def graph(

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 SIM_DEVICE = torch.device("cuda", 0)
 """What sim tensors report as their device (`SimBackend.device`)."""
 
+SIM_MEMORY = 8 << 30
+"""The device memory the sim reports, free and total: it does not account device memory."""
+
 CPU = torch.device("cpu")
 # not exported by torch.nn.parameter, so its stubs do not name it
 _UNINITIALIZED: type = torch.nn.parameter.UninitializedTensorMixin  # type: ignore[attr-defined]

@@ -137,7 +137,7 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
 
     def mem_get_info(device: Any = None) -> tuple[int, int]:
         one_device(device)
-        return SIM_MEMORY, SIM_MEMORY
+        return backend.mem_get_info()
 
     def properties(device: Any = None) -> SimDeviceProperties:
         one_device(device)
@@ -153,9 +153,6 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
 
     def set_device(device: Any) -> None:
         one_device(device)
-
-    def capturing() -> bool:
-        return backend._active is not None
 
     # The sim's device draws come from torch's global (CPU) generator: seeding "the GPU" seeds it.
     # (Directly: torch.manual_seed itself calls torch.cuda.manual_seed_all.)
@@ -189,7 +186,7 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
         "graph_pool_handle": backend.graph_pool_handle,
         "MemPool": SimMemPool,
         "use_mem_pool": use_mem_pool,
-        "is_current_stream_capturing": capturing,
+        "is_current_stream_capturing": backend.is_current_stream_capturing,
         "Stream": SimStream,
         "Event": SimEvent,
         "stream": backend.stream,

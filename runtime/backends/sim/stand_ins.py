@@ -13,12 +13,11 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from pytest_graphmode.runtime.backends.sim.backend import SimGraph, current_backend
-from pytest_graphmode.runtime.backends.sim.device import is_index, is_sim_device
+from pytest_graphmode.runtime.backends.sim.device import SIM_MEMORY, is_index, is_sim_device
 from pytest_graphmode.runtime.backends.sim.generators import check_reseed
 from pytest_graphmode.runtime.backends.sim.limits import SimUnsupportedError
 from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream
 
-SIM_MEMORY = 8 << 30
 """The device memory the drop-in reports (`mem_get_info`, `get_device_properties`), in bytes. The
 sim does not account device memory: a runner that sizes its KV cache from free memory gets this
 much, as plain host memory."""
