@@ -292,3 +292,24 @@ def elapsed_time_of_events_made_without_timing(be: Any) -> str:
         end.record()
         end.synchronize()
         return f"{start.elapsed_time(end):.1f} ms"
+
+
+@case("capturing, not on another stream, not after")
+def is_current_stream_capturing_asks_the_current_stream(be: Any) -> str:
+    # A forward that skips its profiling ranges while captured asks this of its own stream.
+    with backends.target_scope(be.name):
+        x = torch.ones(2, device=be.device)
+        g = be.Graph()
+        with be.graph(g):
+            inside = torch.cuda.is_current_stream_capturing()
+            with be.stream(another_stream(be)):
+                elsewhere = torch.cuda.is_current_stream_capturing()
+            x.mul_(2)
+        after = torch.cuda.is_current_stream_capturing()
+    return ", ".join(
+        [
+            "capturing" if inside else "not capturing",
+            "on another stream too" if elsewhere else "not on another stream",
+            "after too" if after else "not after",
+        ]
+    )
