@@ -122,6 +122,7 @@ def test_torch_cuda_is_restored_exactly_after_a_sim_campaign() -> None:
     load, set_default_device = torch.load, torch.set_default_device
     device, autocasts = torch.device, (torch.autocast, torch.amp.autocast, torch.cuda.amp.autocast)
     autocast_enabled = torch.is_autocast_enabled
+    alias_check = torch._library.utils._c_check_aliasing_constraint
     parameter_new = torch.nn.Parameter.__dict__["__new__"]
     submodules = {m: dict(vars(m)) for m in _SUBMODULES}
     stats = run_campaign(make_target, backend="sim", max_examples=2, max_steps=4, seed=1)
@@ -139,6 +140,7 @@ def test_torch_cuda_is_restored_exactly_after_a_sim_campaign() -> None:
     assert torch.load is load and torch.set_default_device is set_default_device
     assert torch.device is device and torch.is_autocast_enabled is autocast_enabled
     assert (torch.autocast, torch.amp.autocast, torch.cuda.amp.autocast) == autocasts
+    assert torch._library.utils._c_check_aliasing_constraint is alias_check
     assert torch.nn.Parameter.__dict__["__new__"] is parameter_new
     assert not is_active()
     assert torch.cuda.is_available() is cuda_available()
@@ -359,3 +361,29 @@ def test_a_kernel_the_cpu_lacks_for_these_dtypes_raises_at_the_call() -> None:
         torch.cuda.synchronize()  # nothing left queued raises later
         cache[slots] = rows  # the fallback, index_put_, has a float8 kernel
         assert cache.float()[1:3].tolist() == [[1.0] * 4] * 2
+
+
+@torch.library.custom_op("graphmode_sim_test::doubled", mutates_args=())
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@torch.library.custom_op("graphmode_sim_test::same", mutates_args=())
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def test_a_custom_ops_outputs_in_a_capture_are_told_from_aliases_by_their_bytes() -> None:
+    # A capture's outputs share one pool chunk's storage on sim (distinct storages on CUDA):
+    # torch's check that a custom op's output aliases none of its inputs must not take them for
+    # aliases, and must still refuse an output that is its input.
+    with drop_in():
+        x = torch.ones(4, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            first = x * 3  # a capture output: the input below lives in the same chunk
+            second = torch.ops.graphmode_sim_test.doubled(first)
+        graph.replay()
+        assert second.tolist() == [6.0] * 4
+        with pytest.raises(RuntimeError, match="may not alias"):
+            torch.ops.graphmode_sim_test.same(x)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tests.conformance import (
     cases_async,
     cases_capture,
+    cases_custom_ops,
     cases_frees,
     cases_graph,
     cases_host,
@@ -34,6 +35,7 @@ MODULES = (
     cases_host,
     cases_threads,
     cases_inference,
+    cases_custom_ops,
 )
 
 

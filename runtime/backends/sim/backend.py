@@ -34,6 +34,7 @@ from pytest_graphmode.runtime.backends.sim.capture import (
     Capture,
     Program,
     keep_bases_of_views,
+    patch_custom_op_alias_check,
 )
 from pytest_graphmode.runtime.backends.sim.device import (
     SIM_DEVICE,
@@ -69,6 +70,8 @@ from pytest_graphmode.runtime.backends.sim.threads import (
 )
 
 _BACKEND: SimBackend | None = None
+# Where a runner's own operator has its host kernel (`SimBackend._dispatch`)
+_HOST_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _ERROR_MODES = ("global", "thread_local", "relaxed")
 
 
@@ -84,9 +87,11 @@ class _SimMode(TorchDispatchMode):
     # it. Turning the guard off (`_should_skip_dynamo`) saves a frame per operation in a
     # microbenchmark but made whole campaigns 2.5x slower (H200 host, 5 examples x 8 steps):
     # keep it.
-    def __init__(self, backend: SimBackend) -> None:
+    def __init__(self, backend: SimBackend, device_mode: DeviceMode) -> None:
         super().__init__()
         self.backend = backend
+        # The function mode entered with this one, in this thread (`SimBackend._dispatch`)
+        self.device_mode = device_mode
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         # The sim's own tensor calls below are no calls of the program: the device mode (a
@@ -260,7 +265,7 @@ class SimBackend:
             device_mode = DeviceMode(self)
             device_mode.__enter__()
             self._device_mode = device_mode
-            mode = _SimMode(self)
+            mode = _SimMode(self, device_mode)
             mode.__enter__()
             self._mode = mode
             # torch names the sim replaces while active, each with what puts it back
@@ -268,6 +273,7 @@ class SimBackend:
                 _patch_tolist(self),
                 follow_new_threads(self),
                 patch_parameter_new(),
+                patch_custom_op_alias_check(),
             ]
         self._activations += 1
 
@@ -810,6 +816,15 @@ class SimBackend:
         if self._passthrough:
             return func(*args, **kwargs)
         op = ops.facts(func)
+        if op.python_kernel:
+            # A runner's own operator written in Python (`torch.library.custom_op`, as vLLM
+            # keeps attention opaque): CUDA runs its Python once, at the call (at capture, for a
+            # graph), and records the kernels it launches. Run here below the sim's mode, with
+            # both modes entered again (the function mode too: the call is still inside its
+            # handler), so that each operation it makes reaches the sim as the runner's own
+            # would; recorded whole, a replay would have run its Python again.
+            with torch._C._EnableTorchFunction(), mode.device_mode, mode:
+                return func.redispatch(_HOST_KERNEL, *args, **kwargs)
         if op.composite:
             # Outside inference mode autograd breaks such an operation into the ones it is made
             # of before the sim sees it; in inference mode (no autograd) it arrives whole, and

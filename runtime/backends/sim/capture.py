@@ -244,6 +244,55 @@ def _refs(args: list[Any], kwargs: dict[str, Any]) -> list[int]:
     return found
 
 
+def patch_custom_op_alias_check() -> Callable[[], None]:
+    """While the sim is active, `torch.library.custom_op`'s check that an operator's outputs
+    alias none of its inputs compares the bytes they span rather than their storages. A
+    capture's outputs are slices of one chunk of its pool (`SimPoolHandle`), as a CUDA pool's
+    blocks are slices of one segment; but on CUDA each block is a storage of its own, and on sim
+    they share the chunk's, so torch's check took two distinct outputs of a capture for aliases.
+    Returns what puts torch's back."""
+    import torch._library.utils as library_utils
+
+    original = library_utils._c_check_aliasing_constraint
+
+    def check(name: str, args: Any, kwargs: Any, result: Any, get_module: Any = None) -> None:
+        outputs = [t for t in _flat(result) if isinstance(t, torch.Tensor)]
+        inputs = [t for t in _flat((args, kwargs)) if isinstance(t, torch.Tensor)]
+        spans = [_span(t) for t in outputs]
+        for i, span in enumerate(spans):
+            others = [_span(t) for t in inputs] + spans[:i]
+            if span is not None and any(o is not None and _overlap(span, o) for o in others):
+                original(name, args, kwargs, result, *(() if get_module is None else (get_module,)))
+                return
+
+    library_utils._c_check_aliasing_constraint = check
+
+    def restore() -> None:
+        library_utils._c_check_aliasing_constraint = original
+
+    return restore
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, list | tuple):
+        return [item for part in value for item in _flat(part)]
+    if isinstance(value, dict):
+        return _flat(list(value.values()))
+    return [value]
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    if t.numel() == 0:
+        return None
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    start = t.data_ptr()
+    return start, start + (extent + 1) * t.element_size()
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
 def keep_bases_of_views(base: Any, result: Any) -> None:
     """A view of a capture's output (or of a view of one) holds the output's Python object: the
     output's pool block returns to the pool when that object dies (`Capture._allocate`). torch

@@ -8,6 +8,7 @@ at all (it reads device values on the host or has a data-dependent output shape)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -128,6 +129,7 @@ class OpFacts:
         "is_view",
         "metadata_query",
         "name",
+        "python_kernel",
         "quiet",
         "return_count",
         "runnable",
@@ -163,6 +165,7 @@ class OpFacts:
         self.indexing = func in INDEXING
         self.constant = func in CONSTANT_OPS
         self.metadata_query = func in METADATA_QUERIES
+        self.python_kernel = _has_python_host_kernel(func)
         # Made of other operations (torch's CompositeImplicitAutograd kernels): the sim meets it
         # only in inference mode (SimBackend._dispatch).
         self.composite = torch._C._dispatch_has_kernel_for_dispatch_key(
@@ -175,6 +178,19 @@ class OpFacts:
         # Whether the CPU can run it, asked of device operations only (limits.check_runnable):
         # None until then.
         self.runnable: bool | None = None
+
+
+def _has_python_host_kernel(func: Any) -> bool:
+    """Whether the operator is a runner's own, whose host kernel is Python (`torch.library`'s
+    `custom_op`, or `Library.impl` with a Python function): torch records where a kernel was
+    registered, a Python file or `<string>` for these, a C++ source for ATen's and extensions'."""
+    if getattr(func, "namespace", "aten") in ("aten", "prims"):
+        return False
+    table = torch._C._dispatch_dump_table(func.name())
+    found = re.search(
+        r"^(?:CPU|CompositeExplicitAutograd(?:\[alias\])?): registered at (.+?):\d+ ", table, re.M
+    )
+    return found is not None and (found.group(1).endswith(".py") or found.group(1).startswith("<"))
 
 
 _FACTS: dict[int, OpFacts] = {}

@@ -101,5 +101,6 @@ def _follower_modes(backend: SimBackend) -> Iterator[None]:
     from pytest_graphmode.runtime.backends.sim.backend import FollowerSimMode
     from pytest_graphmode.runtime.backends.sim.device_mode import FollowerDeviceMode
 
-    with FollowerDeviceMode(backend), FollowerSimMode(backend):
+    device_mode = FollowerDeviceMode(backend)
+    with device_mode, FollowerSimMode(backend, device_mode):
         yield
