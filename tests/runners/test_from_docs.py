@@ -79,6 +79,8 @@ CAUGHT_BY = {
     "seq_lens_sum_baked": "replay_matches_eager",
     # an fp8 KV cache's scales calibrated on the first forward: the capture's dummy rows
     "fp8_scale_from_warmup": "replay_matches_eager",
+    # a custom attention op's host int (the blocks to scan) baked in at capture
+    "custom_op_scan_baked": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
