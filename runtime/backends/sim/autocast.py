@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 # CUDA's lists (ATen's autocast_mode.h), as (operation, overload) names.
 _TO_FLOAT32 = (
@@ -221,21 +222,16 @@ def _kernel(op: Any, policy: Callable[[Any, tuple[Any, ...], dict[str, Any]], An
     return kernel
 
 
-def _cast(value: Any, dtype: torch.dtype, only: tuple[torch.dtype, ...]) -> Any:
-    if isinstance(value, torch.Tensor) and value.dtype in only:
-        return value.to(dtype)
-    if isinstance(value, list | tuple):
-        return type(value)(_cast(item, dtype, only) for item in value)
-    return value
-
-
 def _cast_all(
     args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype, only: tuple[torch.dtype, ...]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return (
-        tuple(_cast(a, dtype, only) for a in args),
-        {k: _cast(v, dtype, only) for k, v in kwargs.items()},
-    )
+    """The arguments, every tensor of a dtype in `only` cast to `dtype` (in lists too)."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.dtype in only else t
+
+    cast_args, cast_kwargs = tree_map_only(torch.Tensor, cast, (args, kwargs))
+    return cast_args, cast_kwargs
 
 
 def _to_float32(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

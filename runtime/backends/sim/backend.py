@@ -816,25 +816,8 @@ class SimBackend:
         if self._passthrough:
             return func(*args, **kwargs)
         op = ops.facts(func)
-        if op.python_kernel:
-            # A runner's own operator written in Python (`torch.library.custom_op`, as vLLM
-            # keeps attention opaque): CUDA runs its Python once, at the call (at capture, for a
-            # graph), and records the kernels it launches. Run here below the sim's mode, with
-            # both modes entered again (the function mode too: the call is still inside its
-            # handler), so that each operation it makes reaches the sim as the runner's own
-            # would; recorded whole, a replay would have run its Python again.
-            with torch._C._EnableTorchFunction(), mode.device_mode, mode:
-                return func.redispatch(_HOST_KERNEL, *args, **kwargs)
-        if op.composite:
-            # Outside inference mode autograd breaks such an operation into the ones it is made
-            # of before the sim sees it; in inference mode (no autograd) it arrives whole, and
-            # some of them (`to`, `reshape`, `contiguous`) copy where their schema promises a
-            # view. Broken up here as autograd would, with the sim's mode entered again so that
-            # each part reaches it.
-            with mode:
-                return func.decompose(*args, **kwargs)
-        if op.metadata_query:
-            return func(*args, **kwargs)
+        if op.apart:
+            return self._apart(op, args, kwargs, mode)
         tensors, host = _tensors(args, kwargs)
         placing = self._placing
         if placing is None:
@@ -853,6 +836,30 @@ class SimBackend:
         if op.is_view and args:
             keep_bases_of_views(args[0], result)
         return result
+
+    def _apart(
+        self, op: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any], mode: _SimMode
+    ) -> Any:
+        """An operation the sim does not take as one device operation (`OpFacts.apart`)."""
+        func = op.func
+        if op.python_kernel:
+            # A runner's own operator written in Python (`torch.library.custom_op`, as vLLM
+            # keeps attention opaque): CUDA runs its Python once, at the call (at capture, for a
+            # graph), and records the kernels it launches. Run here below the sim's mode, with
+            # both modes entered again (the function mode too: the call is still inside its
+            # handler), so that each operation it makes reaches the sim as the runner's own
+            # would; recorded whole, a replay would have run its Python again.
+            with torch._C._EnableTorchFunction(), mode.device_mode, mode:
+                return func.redispatch(_HOST_KERNEL, *args, **kwargs)
+        if op.composite:
+            # Outside inference mode autograd breaks such an operation into the ones it is made
+            # of before the sim sees it; in inference mode (no autograd) it arrives whole, and
+            # some of them (`to`, `reshape`, `contiguous`) copy where their schema promises a
+            # view. Broken up here as autograd would, with the sim's mode entered again so that
+            # each part reaches it.
+            with mode:
+                return func.decompose(*args, **kwargs)
+        return func(*args, **kwargs)  # a metadata query: no device work, no read
 
     def _host_op(
         self,
@@ -940,7 +947,7 @@ class SimBackend:
             if stream is not active.origin:
                 active.unjoined[stream] = True
             if not op.quiet and ops.capture_violation(op, args, kwargs) is None:
-                check_kernel_dtypes(op, args, kwargs, self._internal)
+                check_kernel_dtypes(op, args, kwargs, tensors, self._internal)
             return active.capture.record(op, args, kwargs)
         self.scheduler.maybe_progress()
         if op.allocates and self._frees.watched:
@@ -957,7 +964,7 @@ class SimBackend:
             self._note_call(stream, op, args, kwargs, result, tensors)
             return result
         if not op.quiet:
-            check_kernel_dtypes(op, args, kwargs, self._internal)
+            check_kernel_dtypes(op, args, kwargs, tensors, self._internal)
         if host_scalars:
             args, kwargs = _baked(args), {k: _baked(v) for k, v in kwargs.items()}
             return self._defer(stream, op, args, kwargs, None)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
 from pytest_graphmode.runtime.backends.sim import footprint, ops
@@ -256,12 +257,10 @@ def patch_custom_op_alias_check() -> Callable[[], None]:
     original = library_utils._c_check_aliasing_constraint
 
     def check(name: str, args: Any, kwargs: Any, result: Any, get_module: Any = None) -> None:
-        outputs = [t for t in _flat(result) if isinstance(t, torch.Tensor)]
-        inputs = [t for t in _flat((args, kwargs)) if isinstance(t, torch.Tensor)]
-        spans = [_span(t) for t in outputs]
-        for i, span in enumerate(spans):
-            others = [_span(t) for t in inputs] + spans[:i]
-            if span is not None and any(o is not None and _overlap(span, o) for o in others):
+        outputs = _footprints(result)
+        inputs = _footprints((args, kwargs))
+        for i, mine in enumerate(outputs):
+            if any(footprint.overlap(mine, other) for other in inputs + outputs[:i]):
                 original(name, args, kwargs, result, *(() if get_module is None else (get_module,)))
                 return
 
@@ -273,24 +272,10 @@ def patch_custom_op_alias_check() -> Callable[[], None]:
     return restore
 
 
-def _flat(value: Any) -> list[Any]:
-    if isinstance(value, list | tuple):
-        return [item for part in value for item in _flat(part)]
-    if isinstance(value, dict):
-        return _flat(list(value.values()))
-    return [value]
-
-
-def _span(t: torch.Tensor) -> tuple[int, int] | None:
-    if t.numel() == 0:
-        return None
-    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-    start = t.data_ptr()
-    return start, start + (extent + 1) * t.element_size()
-
-
-def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
+def _footprints(value: Any) -> list[Footprint]:
+    """The footprints of the non-empty tensors in `value` (lists, tuples and dicts walked)."""
+    found = (footprint.of(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return [located[1] for located in found if located is not None]
 
 
 def keep_bases_of_views(base: Any, result: Any) -> None:

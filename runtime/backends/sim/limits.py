@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 if TYPE_CHECKING:
     from pytest_graphmode.runtime.backends.sim.ops import OpFacts
@@ -59,17 +60,22 @@ _TRIED: dict[tuple[int, tuple[torch.dtype, ...]], str | None] = {}
 
 
 def check_kernel_dtypes(
-    op: OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any], internal: Callable[[Any], Any]
+    op: OpFacts,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    tensors: list[torch.Tensor],
+    internal: Callable[[Any], Any],
 ) -> None:
     """Raise `SimKernelMissing` now for an operation the sim will run later (queued on a side
     stream, or recorded in a capture) whose CPU kernel has no case for its dtypes (the CPU has no
     float8 `index_copy_`, say). A GPU checks dtypes when the operation is called; the CPU kernel
     would raise only when the work ran, from whatever call ran the queue, and a runner's fallback
     around the call (transformers' `try: index_copy_ except NotImplementedError`) would never see
-    it. Tried once per operator and dtypes, on copies of the arguments (the sim's own work,
+    it. `tensors`: the call's tensor arguments, lists flattened. Tried once per operator and
+    dtypes, on copies of the arguments (the sim's own work,
     `internal`); any other error of the trial (a value the queued work has not written yet) is
     left to the operation itself. Random operations are not tried: a trial would draw."""
-    key = (id(op.func), _dtypes(args, kwargs))
+    key = (id(op.func), tuple(t.dtype for t in tensors))
     if key not in _TRIED:
         _TRIED[key] = _trial(op, args, kwargs, internal)
     missing = _TRIED[key]
@@ -84,7 +90,8 @@ def _trial(
         return None
 
     def trial() -> None:
-        op.func(*_copies(args), **{k: _copies(v) for k, v in kwargs.items()})
+        copied_args, copied_kwargs = tree_map_only(torch.Tensor, torch.Tensor.clone, (args, kwargs))
+        op.func(*copied_args, **copied_kwargs)
 
     try:
         internal(trial)
@@ -93,21 +100,3 @@ def _trial(
     except Exception:  # not a kernel the CPU lacks: the operation itself decides, when it runs
         return None
     return None
-
-
-def _dtypes(args: Any, kwargs: dict[str, Any]) -> tuple[torch.dtype, ...]:
-    found = []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            found.append(value.dtype)
-        elif isinstance(value, list | tuple):
-            found.extend(v.dtype for v in value if isinstance(v, torch.Tensor))
-    return tuple(found)
-
-
-def _copies(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, list | tuple):
-        return type(value)(_copies(v) for v in value)
-    return value

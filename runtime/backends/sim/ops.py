@@ -117,6 +117,7 @@ class OpFacts:
 
     __slots__ = (
         "allocates",
+        "apart",
         "argument_checked",
         "changes_metadata",
         "composite",
@@ -171,6 +172,9 @@ class OpFacts:
         self.composite = torch._C._dispatch_has_kernel_for_dispatch_key(
             func.name(), "CompositeImplicitAutograd"
         )
+        # Any of the three: the sim does not take it as one device operation (one test on the
+        # hot path, SimBackend._dispatch, for what most operations are not)
+        self.apart = self.python_kernel or self.composite or self.metadata_query
         self.is_copy = func is aten.copy_.default
         # In place, it changes a tensor's shape or storage rather than its bytes: queued, it must
         # run on the program's own tensor (frees.py holds other work's tensors through aliases).

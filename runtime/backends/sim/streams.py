@@ -148,7 +148,7 @@ class SimStream:
         self._backend = _backend or current_backend()
         self.priority = priority
         self.stream_id = next(_stream_ids)
-        self._entered_from: list[SimStream] = []  # the current streams `with` blocks replaced
+        self._blocks: list[Any] = []  # the `with` blocks open on this stream, innermost last
 
     @property
     def is_default(self) -> bool:
@@ -194,14 +194,14 @@ class SimStream:
         return 0, -5
 
     def __enter__(self) -> SimStream:
-        # `with torch.cuda.Stream() as s:` makes it the current stream for the block, as
-        # `torch.cuda.stream(s)` does.
-        self._entered_from.append(self._backend.current_stream())
-        self._backend.set_stream(self)
+        # `with torch.cuda.Stream() as s:` is `with torch.cuda.stream(s):`.
+        block = self._backend.stream(self)
+        block.__enter__()
+        self._blocks.append(block)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._backend.set_stream(self._entered_from.pop())
+    def __exit__(self, *exc: Any) -> None:
+        self._blocks.pop().__exit__(*exc)
 
     def __repr__(self) -> str:
         kind = "default" if self.is_default else f"#{self.stream_id}"
