@@ -155,9 +155,9 @@ def test_replay_without_capture_is_an_error(be):
 def test_sim_keeps_a_pinned_block_made_in_the_capture_as_the_torch_it_runs_on_does(
     sim, monkeypatch, kept
 ):
-    from pytest_graphmode.runtime.backends.sim import backend as sim_backend
+    from pytest_graphmode.runtime.backends.sim import capturing as sim_capturing
 
-    monkeypatch.setattr(sim_backend, "KEEPS_CAPTURED_PINNED_BLOCKS", kept)
+    monkeypatch.setattr(sim_capturing, "KEEPS_CAPTURED_PINNED_BLOCKS", kept)
     static = torch.zeros(4, device=sim.device)
     before = sim.empty_pinned(4)
     before.fill_(2.0)

@@ -1,0 +1,117 @@
+"""What every part of the sim backend shares: its state, declared once, and the questions about it
+that each part asks (is a capture under way here, is memory pinned, which stream is current).
+
+`SimBackend` (backend.py) is built in layers, one module each, every layer a subclass of the one
+before: this state, the race and free notes of what operations touch (access_notes.py), streams
+and events (events.py), capture and replay (capturing.py), the dispatch of every operation
+(dispatch.py), and the backend itself, its activation and torch.cuda's surface (backend.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pytest_graphmode.runtime.backends.sim.capture import Capture
+from pytest_graphmode.runtime.backends.sim.streams import SimStream
+
+if TYPE_CHECKING:
+    from pytest_graphmode.runtime.backends.sim.device_mode import DeviceMode
+    from pytest_graphmode.runtime.backends.sim.frees import StreamOrderedFrees
+    from pytest_graphmode.runtime.backends.sim.graphs import SimGraph
+    from pytest_graphmode.runtime.backends.sim.happens_before import RaceChecker
+    from pytest_graphmode.runtime.backends.sim.streams import StreamScheduler
+    from pytest_graphmode.runtime.backends.sim.threads import SimThreads, ThreadStreams
+
+
+@dataclass(eq=False)
+class ActiveCapture:
+    graph: SimGraph
+    capture: Capture
+    origin: SimStream
+    # the global generator's seed at capture_begin: CUDA refuses manual_seed(other) in a capture
+    seed: int
+    # "global" / "thread_local": allocating outside the capture is refused; "relaxed": allowed
+    error_mode: str
+    # member stream -> whether it has work not yet joined back into the origin
+    unjoined: dict[SimStream, bool] = field(default_factory=dict)
+    ops_on: dict[SimStream, int] = field(default_factory=dict)
+
+
+class SimState:
+    """The sim backend's state (made in `SimBackend.__init__`) and the queries on it."""
+
+    scheduler: StreamScheduler
+    threads: SimThreads
+    _default: SimStream
+    _streams: ThreadStreams
+    _capture_stream: SimStream
+    _active: ActiveCapture | None
+    # >0: the sim's own tensor work runs, which is no operation of the program
+    _passthrough: int
+    _pinned: set[int]
+    _activations: int
+    _device_mode: DeviceMode | None
+    # Where the factory call being dispatched puts its result (True: the device), set by the
+    # device mode for calls that name a device; None: decided by the operation's arguments.
+    _placing: bool | None
+    _races: RaceChecker
+    _frees: StreamOrderedFrees
+
+    @property
+    def is_active(self) -> bool:
+        return self._activations > 0
+
+    @property
+    def _current(self) -> SimStream:
+        """This thread's current stream (as on CUDA, each thread has its own)."""
+        current = self._streams.current
+        return self._default if current is None else current
+
+    @_current.setter
+    def _current(self, stream: SimStream) -> None:
+        self._streams.current = stream
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        """Whether `t` lies in pinned host memory."""
+        return bool(self._pinned) and t.untyped_storage().data_ptr() in self._pinned
+
+    def capturing_here(self) -> ActiveCapture | None:
+        """The capture the current stream takes part in, if any."""
+        active = self._active
+        if active is not None and self._current in active.unjoined:
+            return active
+        return None
+
+    def _forbid_in_capture(self, what: str) -> None:
+        if self._active is not None:
+            raise self._active.capture.fail(
+                f"{what} during a capture: synchronizing is not allowed while a stream is capturing"
+            )
+
+    @staticmethod
+    def _check_seed(active: ActiveCapture) -> None:
+        """CUDA's generator refuses a new seed while a stream captures (the graph's random
+        operations are bound to the seed of the capture); torch.manual_seed bypasses the
+        dispatcher, so the sim checks at the next captured operation and at capture_end."""
+        if active.capture.invalid is None and torch.initial_seed() != active.seed:
+            raise active.capture.fail(
+                f"manual_seed({torch.initial_seed()}) during a capture begun with seed "
+                f"{active.seed}: a generator can only be re-seeded with the same seed while a "
+                "stream is capturing"
+            )
+
+    def _internal(self, run: Callable[[], Any]) -> Any:
+        self._passthrough += 1
+        try:
+            with torch._C.DisableTorchFunction():
+                return run()
+        finally:
+            self._passthrough -= 1
+
+    def _host_waits_for(self, stream: SimStream) -> None:
+        self.scheduler.drain(stream)
+        self._races.host_waits_for(self._races.agent(stream))
