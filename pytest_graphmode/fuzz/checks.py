@@ -16,6 +16,7 @@ from pytest_graphmode.contract import Batch, StepResult, TargetSpec, slot_major
 from pytest_graphmode.fuzz.kv_checks import State, row_mask, valid_slots
 from pytest_graphmode.fuzz.tolerance import (
     argmax_decided,
+    logit_distance,
     row_tolerance,
     same_bits,
     sample_decided,
@@ -63,7 +64,8 @@ def _last_line(error: str) -> str:
 def replay_matches_eager(
     batch: Batch, graph: Outcome, eager: Outcome, spec: TargetSpec
 ) -> list[Violation]:
-    """Graph logits are finite and match eager within tolerance; tokens match where decidable."""
+    """Graph logits match eager within tolerance (-inf, a masked token, on both or neither; never
+    NaN or +inf); tokens match where decidable."""
     name = REPLAY_MATCHES_EAGER
     if graph.error or eager.error:
         if graph.error and eager.error:
@@ -80,21 +82,23 @@ def replay_matches_eager(
             return [Violation(name, f"{twin} twin: {problem}")]
     g, e = graph.result.logits.detach().cpu(), eager.result.logits.detach().cpu()
     for twin, logits in (("graph", g), ("eager", e)):
-        finite = logits.isfinite().all(dim=-1)
-        if not bool(finite.all()):
-            row = int((~finite).nonzero()[0])
+        # -inf is a masked token (a grammar's bitmask, a top-k filter); it must then be masked
+        # on both twins, which the distance below demands. NaN and +inf are no logit's values.
+        sound = ~(logits.isnan() | logits.isposinf())
+        if not bool(sound.all()):
+            row = int((~sound.all(dim=-1)).nonzero()[0])
             return [
                 _row_violation(
                     name,
-                    f"{twin} twin's logits are not finite",
+                    f"{twin} twin's logits hold NaN or +inf",
                     batch,
                     row,
-                    "finite logits",
-                    differences(logits[row], logits[row], logits[row].isfinite())["actual"],
+                    "logits that are finite, or -inf where a token is masked",
+                    differences(logits[row], logits[row], sound[row])["actual"],
                 )
             ]
     tol = row_tolerance(e)
-    far = (g.float() - e.float()).abs() > tol[:, None]
+    far = logit_distance(g, e) > tol[:, None]
     if bool(far.any()):
         row, col = (int(i) for i in far.nonzero()[0])
         return [
@@ -121,7 +125,7 @@ def _token_violations(
 ) -> list[Violation]:
     gt, et = graph.next_tokens.cpu().tolist(), eager.next_tokens.cpu().tolist()
     decided = argmax_decided(e, tol)
-    gap = (g.float() - e.float()).abs().amax(dim=-1)
+    gap = logit_distance(g, e).amax(dim=-1)
     for row, request in enumerate(batch.requests):
         if not 0 <= gt[row] < e.shape[-1]:
             return [

@@ -29,7 +29,12 @@ from dataclasses import dataclass
 
 from pytest_graphmode.contract import Batch, TargetSpec
 from pytest_graphmode.fuzz.checks import Outcome
-from pytest_graphmode.fuzz.tolerance import argmax_decided, row_tolerance, sample_decided
+from pytest_graphmode.fuzz.tolerance import (
+    argmax_decided,
+    logit_distance,
+    row_tolerance,
+    sample_decided,
+)
 from pytest_graphmode.fuzz.violation import Violation, differences
 
 SAMPLING_INDEPENDENT = "sampling_independent"
@@ -98,7 +103,8 @@ def sampling_independent(
     reference = eager.result.next_tokens.cpu().tolist()
     for row, request in enumerate(company_batch.requests):
         other = rows[request.req_id]
-        gap = float((mine[row] - theirs[other]).abs().amax())
+        distance = logit_distance(mine[row], theirs[other])
+        gap = float(distance.amax())
         where = (
             f"(row {row} of {company_batch.num_reqs} here, row {other} of {batch.num_reqs} "
             f"in the full batch)"
@@ -110,9 +116,7 @@ def sampling_independent(
                     f"logits depend on batch company or KV placement {where}",
                     req_id=request.req_id,
                     row=row,
-                    **differences(
-                        theirs[other], mine[row], (mine[row] - theirs[other]).abs() <= tol[other]
-                    ),
+                    **differences(theirs[other], mine[row], distance <= tol[other]),
                 )
             ]
         if request.seed is None:  # only a batch-dependent runner's company twin runs these

@@ -52,6 +52,14 @@ def row_tolerance(reference: torch.Tensor) -> torch.Tensor:
     return rtol(computed_in(reference)) * scale.float()
 
 
+def logit_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise |a - b| of two logits tensors in float32, 0 where they are equal: a token
+    masked out on both sides (-inf, as a grammar's bitmask or a top-k filter leaves it) is no
+    difference, where a plain subtraction gives NaN. NaN where either holds NaN."""
+    a32, b32 = a.float(), b.float()
+    return (a32 - b32).abs().masked_fill(a32 == b32, 0.0)
+
+
 def argmax_decided(reference: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
     """Per row of `[rows, vocab]` logits, whether its greedy token is decided within `tol`: the
     top-2 margin exceeds twice the tolerance (or the vocabulary has one token)."""

@@ -65,10 +65,36 @@ def test_logits_within_float32_tolerance_pass():
     )
 
 
-def test_non_finite_graph_logits_fail():
-    bad = [[4.0, 0.0, 0.0, 0.0], [0.0, float("nan"), 0.0, 0.0]]
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_or_positive_infinite_graph_logits_fail(value):
+    bad = [[4.0, 0.0, 0.0, 0.0], [0.0, value, 0.0, 0.0]]
     [v] = checks.replay_matches_eager(BATCH, Outcome(result(bad)), Outcome(result(GOOD)), SPEC)
-    assert "not finite" in v.detail and v.row == 1
+    assert "NaN or +inf" in v.detail and v.row == 1
+
+
+INF = float("-inf")
+# A grammar's bitmask (or a top-k filter) leaves -inf in the tokens it masks out.
+MASKED = [[4.0, INF, 0.0, INF], [INF, 3.0, 0.0, 0.0]]
+
+
+def test_tokens_masked_alike_on_both_twins_pass():
+    graph, eager = Outcome(result(MASKED)), Outcome(result(MASKED))
+    assert checks.replay_matches_eager(BATCH, graph, eager, SPEC) == []
+
+
+@pytest.mark.parametrize("row", [0, 1])
+def test_a_token_masked_on_one_twin_only_fails(row):
+    stale = [list(r) for r in MASKED]
+    stale[row][2] = INF  # a mask left from another request
+    [v] = checks.replay_matches_eager(BATCH, Outcome(result(stale)), Outcome(result(MASKED)), SPEC)
+    assert (v.row, v.expected, v.actual) == (row, "0.0", "-inf")
+
+
+def test_a_sampled_token_with_masked_logits_is_still_judged():
+    # Row 1 is sampled: identical masked logits must draw the same token.
+    graph, eager = Outcome(result(MASKED, tokens=(0, 2))), Outcome(result(MASKED))
+    [v] = checks.replay_matches_eager(BATCH, graph, eager, SPEC)
+    assert v.req_id == 8 and "seed 5" in v.detail
 
 
 def test_greedy_token_mismatch_with_a_clear_margin_fails():
@@ -246,6 +272,17 @@ def test_sampled_token_that_depends_on_company_fails():
     sub = sampling_check.company_batch(BATCH)
     company = Outcome(result([GOOD[1]], tokens=(2,)))
     [v] = sampling_check.sampling_independent(sub, company, BATCH, Outcome(result(GOOD)), SPEC)
+    assert (v.req_id, v.expected, v.actual) == (8, "1", "2")
+
+
+def test_company_twin_with_the_same_masked_logits_passes_and_its_token_is_judged():
+    sub = sampling_check.company_batch(BATCH)
+    eager = Outcome(result(MASKED))
+    same = Outcome(result([MASKED[1]], tokens=(1,)))
+    assert sampling_check.sampling_independent(sub, same, BATCH, eager, SPEC) == []
+    [v] = sampling_check.sampling_independent(
+        sub, Outcome(result([MASKED[1]], tokens=(2,))), BATCH, eager, SPEC
+    )
     assert (v.req_id, v.expected, v.actual) == (8, "1", "2")
 
 
