@@ -99,7 +99,12 @@ def test_a_generator_on_cuda_draws_on_the_sim() -> None:
         drawn = torch.randn(3, device="cuda", generator=generator)
         assert drawn.is_cuda
         assert torch.Generator().device == torch.device("cpu")
-    assert torch.equal(drawn, torch.randn(3, generator=torch.Generator().manual_seed(7)))
+        # Its seed (and offset) decide the draw, as on CUDA: another generator of that seed
+        # draws the same, one of another seed does not.
+        again = torch.randn(3, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+        other = torch.randn(3, device="cuda", generator=torch.Generator("cuda").manual_seed(8))
+    assert torch.equal(drawn, again)
+    assert not torch.equal(drawn, other)
 
 
 def test_a_capture_through_torch_cuda_graph_replays_on_the_sim() -> None:

@@ -229,3 +229,102 @@ def default_device_generator_named_in_a_capture(be: Any) -> str:
         g.replay()
         be.synchronize()
     return "same each replay" if same(first, noise) else "differs per replay"
+
+
+# A device generator's state is a seed and a philox offset, which each draw moves on: samplers
+# that must repeat a draw (a discarded token drawn again) set the offset back.
+
+
+@case("moved by a multiple of 4")
+def each_draw_moves_the_offset(be: Any) -> str:
+    with backends.target_scope(be.name):
+        generator = _generator(be)
+        before = generator.get_offset()
+        torch.rand(64, device=be.device, generator=generator)
+        after = generator.get_offset()
+    moved = after - before
+    return "moved by a multiple of 4" if moved > 0 and moved % 4 == 0 else f"moved by {moved}"
+
+
+@case("same draws")
+def setting_the_offset_back_repeats_a_draw(be: Any) -> str:
+    with backends.target_scope(be.name):
+        generator = _generator(be)
+        offset = generator.get_offset()
+        first = torch.rand(64, device=be.device, generator=generator)
+        generator.set_offset(offset)
+        second = torch.rand(64, device=be.device, generator=generator)
+        be.synchronize()
+    return "same draws" if same(first, second) else "different draws"
+
+
+@case("raises RuntimeError")
+def an_offset_that_is_not_a_multiple_of_4(be: Any) -> str:
+    with backends.target_scope(be.name):
+        _generator(be).set_offset(6)
+    return "set"
+
+
+@case("16 bytes, its seed first")
+def a_device_generators_state_is_its_seed_and_offset(be: Any) -> str:
+    with backends.target_scope(be.name):
+        state = _generator(be, seed=7).get_state()
+    seed = int.from_bytes(bytes(state[:8].tolist()), "little")
+    return f"{state.numel()} bytes, {'its seed first' if seed == 7 else f'{seed} first'}"
+
+
+@case("a device generator drawing the same")
+def a_cloned_state_is_a_device_generator(be: Any) -> str:
+    with backends.target_scope(be.name):
+        generator = _generator(be)
+        clone = generator.clone_state()
+        mine = torch.rand(64, device=be.device, generator=generator)
+        theirs = torch.rand(64, device=be.device, generator=clone)
+        be.synchronize()
+    kind = "a device generator" if clone.device.type == "cuda" else "a host generator"
+    return f"{kind} drawing {'the same' if same(mine, theirs) else 'otherwise'}"
+
+
+@case("shared")
+def a_graphsafe_state_is_shared(be: Any) -> str:
+    with backends.target_scope(be.name):
+        generator = _generator(be)
+        other = generator.graphsafe_get_state()
+        torch.rand(64, device=be.device, generator=generator)
+        return "shared" if other.get_offset() == generator.get_offset() else "copied"
+
+
+@case("moved at launch")
+def a_replay_moves_its_registered_generator_when_launched(be: Any) -> str:
+    with backends.target_scope(be.name):
+        generator = _generator(be)
+        g, _ = _registered_noise_graph(be, generator)
+        before = generator.get_offset()
+        g.replay()
+        after = generator.get_offset()  # the replay may still be queued
+        be.synchronize()
+    return "moved at launch" if after > before else "not moved at launch"
+
+
+@case("same draws")
+def a_replay_draws_what_an_eager_draw_at_its_offset_draws(be: Any) -> str:
+    with backends.target_scope(be.name):
+        generator = _generator(be)
+        g, noise = _registered_noise_graph(be, generator)
+        offset = generator.get_offset()
+        eager = torch.rand(64, device=be.device, generator=generator)
+        generator.set_offset(offset)
+        g.replay()
+        be.synchronize()
+    return "same draws" if same(eager, noise) else "different draws"
+
+
+@case("raises CaptureError")
+def the_offset_asked_during_a_capture(be: Any) -> str:
+    with backends.target_scope(be.name):
+        generator = _generator(be)
+        g = be.Graph()
+        g.register_generator_state(generator)
+        with be.graph(g):
+            generator.get_offset()
+    return "captured"

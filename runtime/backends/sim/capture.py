@@ -23,6 +23,7 @@ from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeE
 from pytest_graphmode.runtime.backends.sim import footprint, ops
 from pytest_graphmode.runtime.backends.sim.device import POOLED, VIEW_OF, SimDeviceTensor
 from pytest_graphmode.runtime.backends.sim.footprint import Footprint
+from pytest_graphmode.runtime.backends.sim.generators import CapturedDraws, philox_state
 from pytest_graphmode.runtime.backends.sim.pool import poison_
 
 
@@ -129,6 +130,7 @@ class Program:
         accesses: list[ReplayAccess],
         kept: dict[int, torch.UntypedStorage] | None = None,
         external_events: list[Any] | None = None,
+        draws: CapturedDraws | None = None,
     ) -> None:
         self._env = env
         self._externals = externals
@@ -139,6 +141,7 @@ class Program:
         # launch behind its previous launch, on whichever stream that ran.
         self.last_launch: Any = None
         self.external_events = external_events or []  # events made with external=True it records
+        self.draws = draws or CapturedDraws()  # from device generators, bound at each launch
         self._first_reader: dict[int, str] = {}
         for ins in instrs:
             for ref in _refs(ins.args, ins.kwargs):
@@ -154,8 +157,13 @@ class Program:
         replay already issued on it."""
         return [self._storage(ext) for ext in self._externals]
 
-    def run(self, storages: list[torch.UntypedStorage]) -> None:
-        """One replay on `storages` (`live_storages`'s, at the replay's issue)."""
+    def run(
+        self, storages: list[torch.UntypedStorage], draws: list[tuple[int, int]] | None = None
+    ) -> None:
+        """One replay on `storages` (`live_storages`'s, at the replay's issue), its draws at the
+        seeds and offsets its launch reserved (`CapturedDraws.reserve`)."""
+        if draws:
+            self.draws.bind(draws)
         env = list(self._env)
         for ext, storage in zip(self._externals, storages, strict=True):
             t = torch.empty(0, dtype=ext.dtype)
@@ -316,6 +324,7 @@ class Capture:
         self._instrs: list[_Instr] = []
         self._ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._touched: dict[tuple[Footprint, bool], weakref.ref[torch.UntypedStorage]] = {}
+        self._draws = CapturedDraws()
         self.invalid: str | None = None
 
     def fail(self, message: str) -> CaptureError:
@@ -332,6 +341,8 @@ class Capture:
                 "region, or keep the value on the device."
             )
         func = op.func
+        if op.draws and philox_state(kwargs.get("generator")) is not None:
+            func = self._draws.record(func, kwargs["generator"])
         if op.constant:
             return self._constant(args[0])
         if op.empty:
@@ -381,7 +392,9 @@ class Capture:
                 env[slot] = None
         refs = {fp.storage: ref for (fp, _), ref in self._touched.items()}
         accesses = [(refs[fp.storage], fp, write) for fp, write in footprint.merge(self._touched)]
-        return Program(env, self._externals, kept, accesses, self._kept, self._external_events)
+        return Program(
+            env, self._externals, kept, accesses, self._kept, self._external_events, self._draws
+        )
 
     def records_external(self, event: Any) -> None:
         """An event made with external=True recorded in the capture: each replay records it."""

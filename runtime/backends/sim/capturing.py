@@ -132,7 +132,8 @@ class Capturing(StreamsAndEvents):
         pinned = [storage for storage, _, _ in touched] if accesses else []
         watches = self._watch_pinned_reads(accesses, pinned)
 
-        run = self._after_watches(watches, functools.partial(program.run, storages))
+        draws = program.draws.reserve() if program.draws else None
+        run = self._after_watches(watches, functools.partial(program.run, storages, draws))
         self.scheduler.enqueue(self._current, new_work(run, "graph replay"))
         launched = SimEvent()
         self.event_record(launched, self._current)

@@ -15,6 +15,7 @@ from pytest_graphmode.runtime.backends.sim.capture import keep_bases_of_views
 from pytest_graphmode.runtime.backends.sim.capturing import Capturing
 from pytest_graphmode.runtime.backends.sim.device import SIM_DEVICE, SimDeviceTensor, mark_device
 from pytest_graphmode.runtime.backends.sim.frees import StreamOrderedFrees
+from pytest_graphmode.runtime.backends.sim.generators import bind_draw, philox_state
 from pytest_graphmode.runtime.backends.sim.limits import check_kernel_dtypes, check_runnable
 from pytest_graphmode.runtime.backends.sim.ops import OpFacts
 from pytest_graphmode.runtime.backends.sim.pool import poison_
@@ -46,6 +47,8 @@ class Dispatching(Capturing):
             host, device = [], placing
         if not device:
             return self._host_op(op, args, kwargs, tensors)
+        if op.draws and self.capturing_here() is None:
+            kwargs = _bound_draw(kwargs)
         if op.runnable is not True:
             check_runnable(op)
         if host:
@@ -270,6 +273,16 @@ def _check_host_operands(op: OpFacts, host: list[torch.Tensor]) -> None:
                 f"{SIM_DEVICE} and cpu! ({op.name} got a host tensor of shape "
                 f"{list(t.shape)}: copy it to the device first)"
             )
+
+
+def _bound_draw(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A draw's arguments with its device generator bound to the seed and offset it holds now
+    (generators.py), when it names one: work queued on a side stream draws what its issue took,
+    as a CUDA kernel does. (A captured draw is bound at each replay instead: capture.py.)"""
+    generator = kwargs.get("generator")
+    if philox_state(generator) is None:
+        return kwargs
+    return dict(kwargs, generator=bind_draw(generator))
 
 
 def _queued_call(

@@ -122,6 +122,7 @@ class OpFacts:
         "changes_metadata",
         "composite",
         "constant",
+        "draws",
         "empty",
         "fresh_positions",
         "func",
@@ -167,6 +168,8 @@ class OpFacts:
         self.constant = func in CONSTANT_OPS
         self.metadata_query = func in METADATA_QUERIES
         self.python_kernel = _has_python_host_kernel(func)
+        # Takes a generator: a draw, bound to a device generator's seed and offset (generators.py)
+        self.draws = any(a.name == "generator" for a in schema.arguments)
         # Made of other operations (torch's CompositeImplicitAutograd kernels): the sim meets it
         # only in inference mode (SimBackend._dispatch).
         self.composite = torch._C._dispatch_has_kernel_for_dispatch_key(

@@ -6,6 +6,7 @@ properties, memory queries, nvtx, `_sleep`, and `torch.load` to the device.
 from __future__ import annotations
 
 import contextlib
+import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,7 +15,13 @@ from torch.utils._pytree import tree_map_only
 
 from pytest_graphmode.runtime.backends.sim.backend import SimGraph, current_backend
 from pytest_graphmode.runtime.backends.sim.device import SIM_MEMORY, is_index, is_sim_device
-from pytest_graphmode.runtime.backends.sim.generators import check_reseed
+from pytest_graphmode.runtime.backends.sim.generators import (
+    DEFAULT_SEED,
+    PhiloxState,
+    check_reseed,
+    name_device_generator,
+    philox_state,
+)
 from pytest_graphmode.runtime.backends.sim.limits import SimUnsupportedError
 from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream
 
@@ -24,15 +31,21 @@ much, as plain host memory."""
 
 
 class SimGenerator(torch._C.Generator):
-    """`torch.Generator(device="cuda")` on the sim: a CPU generator (the sim's device draws run on
-    the CPU) that reports `cuda:0`. A generator for any other device is torch's own."""
+    """`torch.Generator(device="cuda")` on the sim: a generator that reports `cuda:0`, with CUDA's
+    state (a seed and a philox offset, generators.py), whose draws run on the CPU. A generator
+    for any other device is torch's own."""
+
+    _philox: PhiloxState
 
     def __new__(cls, device: Any = "cpu") -> Any:
         if device is None or not is_sim_device(device):
             return torch._C.Generator(device if device is not None else "cpu")
         one_device(device)
         base: Any = torch._C.Generator  # its __new__ takes the device; typeshed says object's
-        return base.__new__(cls, "cpu")
+        made = base.__new__(cls, "cpu")
+        made._philox = PhiloxState(DEFAULT_SEED)
+        name_device_generator(made)
+        return made
 
     def __init__(self, device: Any = "cpu") -> None:
         # Everything was set up in __new__ (torch's generator takes no __init__ arguments).
@@ -44,8 +57,86 @@ class SimGenerator(torch._C.Generator):
 
     def manual_seed(self, seed: Any) -> SimGenerator:
         check_reseed(current_backend(), self, seed)
-        super().manual_seed(seed)
+        self._philox.seed = int(seed) % 2**64
+        self._philox.offset = 0
         return self
+
+    def initial_seed(self) -> int:
+        return self._philox.seed
+
+    def seed(self) -> int:
+        _refuse_in_capture("seed")
+        fresh = int(torch._C.Generator().seed())
+        self._philox.seed, self._philox.offset = fresh, 0
+        return fresh
+
+    def get_offset(self) -> int:
+        _refuse_in_capture("get_offset")
+        return self._philox.offset
+
+    def set_offset(self, offset: int) -> SimGenerator:
+        _refuse_in_capture("set_offset")
+        self._philox.offset = _checked_offset(offset)
+        return self
+
+    def get_state(self) -> torch.Tensor:
+        """The seed and offset, 8 bytes each, as CUDA's generator gives them."""
+        packed = struct.pack("<Qq", self._philox.seed, self._philox.offset)
+        return torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+
+    def set_state(self, new_state: torch.Tensor) -> SimGenerator:
+        """A state of `get_state`'s (or its first 8 bytes, the seed alone, offset 0)."""
+        if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8:
+            raise TypeError("expected a torch.ByteTensor, but got " + type(new_state).__name__)
+        if new_state.numel() not in (8, 16):
+            raise RuntimeError(
+                f"RNG state is wrong size: a device generator's state is 16 bytes (seed and "
+                f"offset), got {new_state.numel()}"
+            )
+        raw = bytes(new_state.detach().cpu().contiguous().tolist())
+        seed = struct.unpack("<Q", raw[:8])[0]
+        offset = struct.unpack("<q", raw[8:])[0] if len(raw) == 16 else 0
+        check_reseed(current_backend(), self, seed)
+        self._philox.seed, self._philox.offset = seed, _checked_offset(offset)
+        return self
+
+    def clone_state(self) -> SimGenerator:
+        """A new device generator holding a copy of this one's seed and offset."""
+        _refuse_in_capture("clone_state")
+        made = SimGenerator(self.device)
+        made._philox = PhiloxState(self._philox.seed, self._philox.offset)
+        return made
+
+    def graphsafe_get_state(self) -> SimGenerator:
+        """A device generator sharing this one's state: a draw from either moves both."""
+        made = SimGenerator(self.device)
+        made._philox = self._philox
+        return made
+
+    def graphsafe_set_state(self, state: Any) -> SimGenerator:
+        """Share the state of `state`, a device generator (`graphsafe_get_state`'s)."""
+        shared = philox_state(state)
+        if shared is None:
+            raise RuntimeError("Expected a CUDA Generator (graphsafe_set_state takes a device one)")
+        self._philox = shared
+        return self
+
+
+def _refuse_in_capture(what: str) -> None:
+    """CUDA asserts that no stream captures for these calls of a device generator."""
+    active = current_backend().capturing_here()
+    if active is not None:
+        raise active.capture.fail(
+            f"Cannot call CUDAGeneratorImpl::{what} during CUDA graph capture (as CUDA refuses "
+            "it): call it before the capture or after it"
+        )
+
+
+def _checked_offset(offset: Any) -> int:
+    offset = int(offset)
+    if offset % 4:
+        raise RuntimeError(f"offset must be a multiple of 4 (got {offset})")
+    return offset
 
 
 _TORCH_DEVICE = torch.device
