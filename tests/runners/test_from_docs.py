@@ -81,6 +81,14 @@ CAUGHT_BY = {
     "fp8_scale_from_warmup": "replay_matches_eager",
     # a custom attention op's host int (the blocks to scan) baked in at capture
     "custom_op_scan_baked": "replay_matches_eager",
+    # the short or long rotary table chosen on the host from the batch's longest sequence
+    "long_rope_switch": "replay_matches_eager",
+    # a split-KV combine trusts stale splits a longer request left in the graph's workspace
+    "split_kv_workspace": "replay_matches_eager",
+    "grammar_bitmask_rows": "replay_matches_eager",  # plain rows keep a grammar request's mask
+    # seeded rows draw from one generator the batch shares, not from their own
+    "seeded_sampling_generators": "sampling_independent",
+    "moe_host_sized_groups": "replay_matches_eager",  # the capture batch's expert groups baked in
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
