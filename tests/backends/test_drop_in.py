@@ -392,3 +392,20 @@ def test_a_custom_ops_outputs_in_a_capture_are_told_from_aliases_by_their_bytes(
         assert second.tolist() == [6.0] * 4
         with pytest.raises(RuntimeError, match="may not alias"):
             torch.ops.graphmode_sim_test.same(x)
+
+
+def test_a_device_generators_seed_and_offset_are_unsigned_64_bit_numbers() -> None:
+    # As torch's binding reads them: a negative value wraps around, 2**64 does not fit, and an
+    # offset moved past the top wraps to 0 as CUDA's unsigned counter does.
+    with drop_in():
+        generator = torch.Generator(device="cuda").manual_seed(-1)
+        assert generator.initial_seed() == 2**64 - 1
+        generator.set_offset(-4)
+        assert generator.get_offset() == 2**64 - 4
+        assert bytes(generator.get_state()[8:].tolist()) == b"\xfc" + b"\xff" * 7
+        torch.rand(4, device="cuda", generator=generator)
+        assert generator.get_offset() == 0
+        with pytest.raises(ValueError, match="Overflow"):
+            generator.set_offset(2**64)
+        with pytest.raises(ValueError, match="Overflow"):
+            generator.manual_seed(2**64)

@@ -128,7 +128,7 @@ def bind_draw(generator: Any) -> torch.Generator:
     state = philox_state(generator)
     assert state is not None
     bound = _seeded(state.seed, state.offset)
-    state.offset += DRAW_INCREMENT
+    state.offset = (state.offset + DRAW_INCREMENT) & _MASK  # uint64, as CUDA's
     return bound
 
 
@@ -163,7 +163,7 @@ class CapturedDraws:
         for generator in self._generators:
             state = generator._philox
             reserved.append((state.seed, state.offset))
-            state.offset += DRAW_INCREMENT
+            state.offset = (state.offset + DRAW_INCREMENT) & _MASK  # uint64, as CUDA's
         return reserved
 
     def bind(self, reserved: list[tuple[int, int]]) -> None:

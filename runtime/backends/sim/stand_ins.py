@@ -56,8 +56,9 @@ class SimGenerator(torch._C.Generator):
         return torch.device("cuda", 0)
 
     def manual_seed(self, seed: Any) -> SimGenerator:
+        seed = _as_uint64(seed)
         check_reseed(current_backend(), self, seed)
-        self._philox.seed = int(seed) % 2**64
+        self._philox.seed = seed
         self._philox.offset = 0
         return self
 
@@ -81,7 +82,7 @@ class SimGenerator(torch._C.Generator):
 
     def get_state(self) -> torch.Tensor:
         """The seed and offset, 8 bytes each, as CUDA's generator gives them."""
-        packed = struct.pack("<Qq", self._philox.seed, self._philox.offset)
+        packed = struct.pack("<QQ", self._philox.seed, self._philox.offset)
         return torch.frombuffer(bytearray(packed), dtype=torch.uint8)
 
     def set_state(self, new_state: torch.Tensor) -> SimGenerator:
@@ -95,7 +96,7 @@ class SimGenerator(torch._C.Generator):
             )
         raw = bytes(new_state.detach().cpu().contiguous().tolist())
         seed = struct.unpack("<Q", raw[:8])[0]
-        offset = struct.unpack("<q", raw[8:])[0] if len(raw) == 16 else 0
+        offset = struct.unpack("<Q", raw[8:])[0] if len(raw) == 16 else 0
         check_reseed(current_backend(), self, seed)
         self._philox.seed, self._philox.offset = seed, _checked_offset(offset)
         return self
@@ -133,10 +134,19 @@ def _refuse_in_capture(what: str) -> None:
 
 
 def _checked_offset(offset: Any) -> int:
-    offset = int(offset)
+    offset = _as_uint64(offset)
     if offset % 4:
         raise RuntimeError(f"offset must be a multiple of 4 (got {offset})")
     return offset
+
+
+def _as_uint64(value: Any) -> int:
+    """A seed or offset as torch's binding reads it: an unsigned 64-bit number, where a negative
+    one (down to -2**63) wraps around."""
+    value = int(value)
+    if not -(2**63) <= value < 2**64:
+        raise ValueError("Overflow when unpacking long long")
+    return value % 2**64
 
 
 _TORCH_DEVICE = torch.device
