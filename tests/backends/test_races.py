@@ -176,6 +176,31 @@ def test_a_pinned_source_rewritten_through_numpy_before_its_copy_ran(sim, waits)
     assert "numpy" in race.later.op and race.later.stream == "the host"
 
 
+@pytest.mark.parametrize("ordered", [True, False])
+def test_a_download_into_the_pinned_block_an_upload_read_is_no_host_write(sim, ordered):
+    # Swap-in, then back-up (a KV offloader's round trip through one pinned block): the download
+    # changes the bytes the upload was watched on. Issued after the upload on its own stream, it
+    # is ordered after it; issued on another stream that did not wait, it races with it.
+    pinned, dst = sim.empty_pinned(4), torch.ones(4, device=sim.device)
+    side = sim.Stream()
+    side.wait_stream(sim.current_stream())
+    sim.take_races()
+    with sim.stream(side):
+        dst.copy_(pinned, non_blocking=True)
+    writer = side if ordered else sim.Stream()
+    with sim.stream(writer):
+        pinned.copy_(torch.full((4,), 7.0, device=sim.device), non_blocking=True)
+    sim.synchronize()
+    races = sim.take_races()
+    if ordered:
+        assert races == []
+        return
+    assert [(r.earlier.op, r.earlier.access, r.later.access) for r in races] == [
+        ("aten.copy_", "read", "write")
+    ]
+    assert "numpy" not in races[0].later.op  # the download, not an unseen host write
+
+
 def test_a_copy_of_unchanged_pinned_bytes_is_no_race(sim):
     pytest.importorskip("numpy")
     staging, dst = sim.empty_pinned(4), torch.zeros(4, device=sim.device)

@@ -5,7 +5,7 @@ dispatch (state.py)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -89,17 +89,33 @@ class AccessNotes(SimState):
                 found.append((located[0], located[1], True))
         self._access(stream, found, op.name)
 
-    def _after_watches(self, watches: list[Any], run: Callable[[], Any]) -> Callable[[], None]:
+    def _after_watches(
+        self, watches: list[Any], run: Callable[[], Any], retired: Sequence[Any] = ()
+    ) -> Callable[[], None]:
         """Queued work that first judges its watched pinned reads (host writes torch could not
-        see happened before it ran), then runs `run` as sim-internal work."""
+        see happened before it ran), then runs `run` as sim-internal work. `retired`: watches of
+        earlier reads this work's writes to pinned memory come after (`_retired_by`), judged
+        one last time and dropped before it writes."""
         races = self._races
 
         def work() -> None:
             for watch in watches:
                 races.check(watch, drop=False)
+            for watch in retired:
+                races.check(watch, drop=True)
             self._internal(run)
 
         return work
+
+    def _retired_by(self, agent: int, written: list[Any]) -> list[Any]:
+        """The watches a device write issued now on `agent` to the pinned storages `written`
+        supersedes: those of reads ordered before it, whose bytes it is free to change."""
+        pinned = self._pinned
+        retired: list[Any] = []
+        for storage in {id(s): s for s in written}.values():
+            if storage.data_ptr() in pinned:
+                retired += self._races.watches_ordered_before(agent, storage.data_ptr())
+        return retired
 
     def _watch_pinned_reads(self, accesses: list[Any], storages: list[Any]) -> list[Any]:
         """Pinned bytes read by queued device work: watched for host writes torch cannot see."""

@@ -132,8 +132,12 @@ class Capturing(StreamsAndEvents):
         pinned = [storage for storage, _, _ in touched] if accesses else []
         watches = self._watch_pinned_reads(accesses, pinned)
 
+        written = [
+            storage for storage, fp, write in touched if write and fp.storage in self._pinned
+        ]
+        retired = self._retired_by(agent, written) if written else []
         draws = program.draws.reserve() if program.draws else None
-        run = self._after_watches(watches, functools.partial(program.run, storages, draws))
+        run = self._after_watches(watches, functools.partial(program.run, storages, draws), retired)
         self.scheduler.enqueue(self._current, new_work(run, "graph replay"))
         launched = SimEvent()
         self.event_record(launched, self._current)

@@ -123,12 +123,18 @@ class Dispatching(Capturing):
             accesses = self._note(stream, touched, "aten.copy_", keep=upload)
             reads = [access for access in accesses if not access.write]
             watches = self._watch_pinned_reads(reads, [src.untyped_storage()] * len(reads))
+            retired = (
+                []
+                if upload
+                else self._retired_by(self._races.agent(stream), [dst.untyped_storage()])
+            )
             (held_dst, held_src), held = self._held((dst, src))
             copy = self._after_watches(
                 watches,
                 _queued_call(
                     ops.aten.copy_.default, (held_dst, held_src), {}, {}, held, self._frees
                 ),
+                retired,
             )
             self.scheduler.enqueue(stream, new_work(copy, "async copy"))
             return dst

@@ -249,6 +249,17 @@ class RaceChecker:
         for watch in [w for w in self._watches if w.access.fp.storage == storage]:
             self.check(watch, drop=False)
 
+    def watches_ordered_before(self, agent: int, storage: int) -> list[_Watch]:
+        """The watches on `storage` whose reads are ordered before what `agent` issues now: a
+        device write to those bytes that it issues comes after them (the same stream, or one
+        that waited), so when it runs the bytes change for no host write."""
+        return [
+            w
+            for w in self._watches
+            if w.access.fp.storage == storage
+            and self.ordered(w.access.agent, w.access.epoch, agent)
+        ]
+
     def check(self, watch: _Watch, *, drop: bool) -> None:
         """Report a changed watched range as a host write that raced with the queued read."""
         if watch.access.watch is not watch:
