@@ -758,7 +758,14 @@ def first_capture_on_long_contexts(spec: TargetSpec) -> list[StepPlan]:
     steps mostly follow a crowd of short prompts, and `first_phase_change` captures on a short
     context before it replays the longest. Empty without the "prefill" feature (one token a step
     could not reach a long context within `MAX_LEADING_STEPS`), where a step holds fewer than two
-    requests or tokens, or where the cache cannot hold the three requests."""
+    requests or tokens, or where the cache cannot hold the three requests.
+
+    Where the spec samples, the two long requests sample (one at the lowest temperature, one at
+    the highest) and the newcomer is greedy: the graph is captured on a batch with no greedy row,
+    which a random schedule seldom captures on (half of its requests are greedy), and then
+    replays a greedy one. A choice the runner made on the host from the capture batch's sampling
+    (that every row samples, so the greedy branch can go, as an `all_random` flag says) replays
+    for the greedy row as it was; `first_handover` shows the graph of one row the same."""
     room = 4  # positions after the prompt: the decodes, and one short of the limit
     budget = spec.max_num_tokens // 2
     if "prefill" not in spec.features or spec.max_num_reqs < 2 or budget < 1:
@@ -767,9 +774,15 @@ def first_capture_on_long_contexts(spec: TargetSpec) -> list[StepPlan]:
     prompt = min(_capacity(spec) - room, prefill_steps * budget)
     if prompt < 2 or 2 * _blocks(spec, prompt + room) + 1 > spec.num_blocks - 1:
         return []
-    long = Arrival(prompt_len=prompt)
+    # Sampled where the spec samples, at the two ends of the temperatures, and the newcomer
+    # greedy: the graph of two rows is captured on rows that all sample, then replays a greedy one.
+    sampled = "sampling" in spec.features
+    long = [
+        Arrival(prompt_len=prompt, seed=seed if sampled else None, temperature=temperature)
+        for seed, temperature in ((8, min(TEMPERATURES)), (9, max(TEMPERATURES)))
+    ]
     return [
-        StepPlan(kind="prefill", rows=2, arrivals=(long, long), chunk=budget),
+        StepPlan(kind="prefill", rows=2, arrivals=tuple(long), chunk=budget),
         *[StepPlan(kind="prefill", rows=2, chunk=budget)] * (-(-prompt // budget) - 1),
         StepPlan(kind="decode", rows=2),
         StepPlan(kind="mixed", rows=2, finish=(0,), arrivals=(Arrival(prompt_len=1),)),
