@@ -89,6 +89,14 @@ CAUGHT_BY = {
     # seeded rows draw from one generator the batch shares, not from their own
     "seeded_sampling_generators": "sampling_independent",
     "moe_host_sized_groups": "replay_matches_eager",  # the capture batch's expert groups baked in
+    # a partial prefill's discarded draw rewound after the graph's generator took the state
+    "generator_offset_rewind": "replay_matches_eager",
+    "top_k_from_batch_max": "replay_matches_eager",  # the capture batch's largest top-k baked in
+    "kv_swap_in_race": "no_stream_races",  # the replay waits on an event recorded before a reload
+    # a host "every row continues" flag baked in: a new request starts from a freed slot's state
+    "ssm_initial_state_flag": "replay_matches_eager",
+    # the capture batch's count of logit-bias entries baked in, not the device count
+    "logit_bias_sparse_lists": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
