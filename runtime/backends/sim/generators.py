@@ -127,9 +127,7 @@ def bind_draw(generator: Any) -> torch.Generator:
     seed and offset now, whose offset then moves on (`DRAW_INCREMENT`)."""
     state = philox_state(generator)
     assert state is not None
-    bound = _seeded(state.seed, state.offset)
-    state.offset = (state.offset + DRAW_INCREMENT) & _MASK  # uint64, as CUDA's
-    return bound
+    return _seeded(*_take_draw(state))
 
 
 class CapturedDraws:
@@ -159,20 +157,25 @@ class CapturedDraws:
 
     def reserve(self) -> list[tuple[int, int]]:
         """At a launch: the (seed, offset) of each draw, each generator moved on past them."""
-        reserved = []
-        for generator in self._generators:
-            state = generator._philox
-            reserved.append((state.seed, state.offset))
-            state.offset = (state.offset + DRAW_INCREMENT) & _MASK  # uint64, as CUDA's
-        return reserved
+        return [_take_draw(generator._philox) for generator in self._generators]
 
     def bind(self, reserved: list[tuple[int, int]]) -> None:
         """At a run: the draws run at the seeds and offsets their launch reserved."""
         self._bound = reserved
 
 
+def _take_draw(state: PhiloxState) -> tuple[int, int]:
+    """The seed and offset of one draw from `state`, moved on past it (an unsigned 64-bit
+    offset, as CUDA's, wraps to 0)."""
+    taken = (state.seed, state.offset)
+    state.offset = (state.offset + DRAW_INCREMENT) & _MASK
+    return taken
+
+
 def _seeded(seed: int, offset: int) -> torch.Generator:
-    made = torch.Generator()
+    """The host generator a draw at `seed` and `offset` runs with (torch's own class: in the
+    drop-in `torch.Generator` is the sim's)."""
+    made = torch._C.Generator()
     made.manual_seed(_mix(seed, offset))
     return made
 
