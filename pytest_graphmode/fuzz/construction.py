@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pytest_graphmode.contract import Batch, TargetSpec
+from torch import Tensor
+
+from pytest_graphmode.contract import Batch, GraphTarget, TargetSpec
 from pytest_graphmode.fuzz import kv_checks, race_check
 from pytest_graphmode.fuzz.checks import REPLAY_MATCHES_EAGER, both_raised
 from pytest_graphmode.fuzz.kv_checks import State
@@ -38,6 +40,34 @@ def made_twins_violations(
         if found:
             return found, name
     return [], ""
+
+
+def state_not_live(target: GraphTarget) -> str | None:
+    """Why `target.state()` is not the runner's own state, or None when it is. The harness marks,
+    poisons and restores state in place through the tensors `state()` returns, so each must be
+    the runner's memory (the cache, or a view of it), the same at every call: a copy the call
+    makes takes the marks and the poison instead of the cache, and `kv_writes_land` and
+    `kv_writes_confined` then judge what the copy held, not what the step wrote."""
+    first = target.state()
+    second = target.state()  # while `first` lives: a copy cannot be handed the same memory
+    for key, tensor in first.items():
+        again = second.get(key)
+        if again is None or tensor.numel() == 0:
+            continue  # a key missing at the second call is `Reset`'s to report
+        if _where(tensor) != _where(again):
+            return (
+                f"state()[{key!r}] is another tensor at every call (a copy, not the runner's "
+                "memory): the harness marks, poisons and restores state in place through the "
+                "tensors state() returns, so each must be the runner's own (the cache, or a "
+                "view of it). A cache that no view makes slot-major can keep a slot-major image "
+                "that the step copies into the cache before it runs and back after "
+                '(docs/contract.md, "State is slot-major")'
+            )
+    return None
+
+
+def _where(tensor: Tensor) -> tuple[int, int, tuple[int, ...]]:
+    return tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tuple(tensor.stride())
 
 
 def construction_raised(graph_error: str | None, eager_error: str | None) -> Violation:

@@ -198,7 +198,9 @@ def states_match(
             return [
                 Violation(
                     name,
-                    f"state {key!r} differs at index {index}",
+                    f"state {key!r} differs at index {index} (compared whole, null block "
+                    f"included: its {expected.shape[0] if expected.dim() else 0} rows are not "
+                    f"the spec's {spec.num_slots} slots, so it is not slot-major)",
                     expected=str(expected[index]),
                     actual=str(actual[index]),
                 )

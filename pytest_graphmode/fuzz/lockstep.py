@@ -37,7 +37,11 @@ from pytest_graphmode.contract import Batch, GraphTarget, StepResult, TargetFact
 from pytest_graphmode.failure import MADE_TWINS, Failure, GraphmodeFailure
 from pytest_graphmode.fuzz import sampling_check
 from pytest_graphmode.fuzz.checks import Outcome
-from pytest_graphmode.fuzz.construction import construction_raised, made_twins_violations
+from pytest_graphmode.fuzz.construction import (
+    construction_raised,
+    made_twins_violations,
+    state_not_live,
+)
 from pytest_graphmode.fuzz.host_times import HostTimes
 from pytest_graphmode.fuzz.registry import (
     REGISTRY,
@@ -181,6 +185,10 @@ class Lockstep:
                     f"the factory made twins with different specs: {twin.spec} vs "
                     f"{self.spec}; a factory must be deterministic in its seed"
                 )
+            problem = state_not_live(twin)
+            if problem is not None:
+                self.close()
+                raise ValueError(problem)
         try:
             self._judge_made_twins()
         except BaseException:

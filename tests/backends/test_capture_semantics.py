@@ -1,5 +1,7 @@
 """Capture records and replay computes: the semantics every backend shares with CUDA graphs."""
 
+import gc
+
 import pytest
 import torch
 
@@ -116,6 +118,25 @@ def test_temporaries_are_reused_inside_one_capture(be):
     be.synchronize()
     assert second.data_ptr() == first_ptr
     assert torch.equal(second, torch.full((1024,), 3.0, device=be.device))
+
+
+def test_sim_an_empty_temporary_of_a_capture_goes_back_to_the_pool(sim):
+    # `q[:0]` where a batch has no decode rows: a 0-byte block, which reports no data pointer.
+    x = torch.ones(4, 3, device=sim.device)
+    pool = sim.graph_pool_handle()
+    g = sim.Graph()
+    with sim.graph(g, pool=pool):
+        empty = x[:0] * 2
+        y = (empty + 1).sum(0) + x.sum(0)
+    block = pool.allocate(0)
+    pool.release(block)  # raised "block does not belong to this pool"
+    g.replay()
+    sim.synchronize()
+    assert torch.equal(y, torch.full((3,), 4.0, device=sim.device))
+    free_before = [list(ranges) for ranges in pool._free]
+    del empty
+    gc.collect()
+    assert pool._free != free_before  # its alignment unit is free again
 
 
 def test_sim_shared_pool_reuses_freed_blocks_across_captures(sim):

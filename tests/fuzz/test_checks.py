@@ -156,6 +156,17 @@ def test_null_block_is_not_compared_between_twins():
     assert kv_checks.states_match(BATCH, kv(s1=float("nan")), kv(), SPEC) == []
 
 
+def test_a_state_that_is_not_slot_major_is_compared_whole_and_says_so():
+    # Rows per block, not per slot (a [num_blocks, 2, block_size, ...] cache handed out whole):
+    # the null block is not set apart, and the message names the shape it did not recognise.
+    blocks = torch.zeros(SPEC.num_blocks, 2)
+    changed = blocks.clone()
+    changed[0, 1] = 1.0
+    [v] = kv_checks.states_match(BATCH, {"kv": changed}, {"kv": blocks}, SPEC)
+    assert "index (0, 1)" in v.detail and "not slot-major" in v.detail
+    assert f"{SPEC.num_blocks} rows are not the spec's {SPEC.num_slots} slots" in v.detail
+
+
 def test_bit_identical_poisoned_and_clean_runs_are_inert():
     outcome = Outcome(result(GOOD))
     assert checks.padding_inert(BATCH, outcome, outcome, kv(), kv(), SPEC) == []

@@ -145,3 +145,36 @@ def test_a_campaign_of_a_factory_that_cannot_make_an_eager_target_says_so() -> N
     with pytest.raises(RuntimeError, match="the factory raised making an eager target") as caught:
         run_campaign(refused_in_both_modes, max_examples=5, max_steps=3, seed=0)
     assert "capture at start-up refused (eager twin)" in str(caught.value.__cause__)
+
+
+class StateCopied(toy.ToyTarget):
+    """`state()` hands out a copy of the cache, made at each call: the harness's marks, poison and
+    restores would land in the copy."""
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {key: value.clone() for key, value in super().state().items()}
+
+
+class StateViewedAnew(toy.ToyTarget):
+    """`state()` makes a new view of the cache at each call: the same memory, so it is the state."""
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {key: value.view(value.shape) for key, value in super().state().items()}
+
+
+def state_copied(mode: str, *, seed: int, backend: str) -> toy.ToyTarget:
+    return StateCopied(mode, seed=seed, backend=backend)
+
+
+def state_viewed_anew(mode: str, *, seed: int, backend: str) -> toy.ToyTarget:
+    return StateViewedAnew(mode, seed=seed, backend=backend)
+
+
+def test_a_state_that_is_a_copy_is_refused_before_step_0():
+    with pytest.raises(ValueError, match=r"state\(\)\['kv'\] is another tensor at every call"):
+        run_campaign(state_copied, backend="sim", max_examples=2, max_steps=2, seed=0)
+
+
+def test_a_state_viewed_anew_at_each_call_is_the_state():
+    stats = run_campaign(state_viewed_anew, backend="sim", max_examples=2, max_steps=2, seed=0)
+    assert stats.failures == [] and stats.steps > 0

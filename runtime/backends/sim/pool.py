@@ -70,9 +70,12 @@ class SimPoolHandle:
         return self._chunks[c][start : start + nbytes]
 
     def release(self, block: torch.Tensor) -> None:
+        # Found by its storage and offset: an empty block (a 0-byte allocation, which still
+        # reserves one alignment unit) reports no data pointer.
+        where = block.untyped_storage().data_ptr()
         for c, chunk in enumerate(self._chunks):
-            start = block.data_ptr() - chunk.data_ptr()
-            if 0 <= start < chunk.numel():
+            if where == chunk.untyped_storage().data_ptr():
+                start = int(block.storage_offset())
                 size = _round_up(max(block.numel(), 1), ALIGNMENT)
                 self._insert_free(c, start, start + size)
                 return
