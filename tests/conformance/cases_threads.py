@@ -118,3 +118,53 @@ def download_read_by_a_worker_after_an_event(be: Any) -> str:
             return "landed" if seen == [7.0] * 4 else "stale"
 
         return racy(be, trial, shows="stale")
+
+
+def _capture_while_main_allocates(be: Any, mode: str) -> str:
+    """A worker captures in `mode` and waits inside the capture while the main thread allocates
+    64 MiB on the device (a fresh allocation on CUDA, not a cached block); then the graph replays."""
+    with backends.target_scope(be.name):
+        x = torch.ones(2, device=be.device)
+        side, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+        inside, allocated = threading.Event(), threading.Event()
+
+        def capture() -> torch.Tensor:
+            try:
+                with torch.cuda.graph(graph, stream=side, capture_error_mode=mode):
+                    doubled = x * 2
+                    inside.set()
+                    allocated.wait(10)
+                    return doubled + 1
+            finally:
+                inside.set()
+
+        worker: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: worker.update(out=_guarded(capture)))
+        thread.start()
+        inside.wait(10)
+        try:
+            torch.empty(16 << 20, device=be.device)
+            main = "allocated"
+        except RuntimeError as exc:
+            main = f"main raises {type(exc).__name__}"
+        finally:
+            allocated.set()
+            thread.join()
+        out = worker["out"]
+        if isinstance(out, Exception):
+            return f"{main}; capture raises {type(out).__name__}"
+        graph.replay()
+        return f"{main}; {value(be, out)}"
+
+
+def _guarded(work: Callable[[], T]) -> T | Exception:
+    try:
+        return work()
+    except Exception as exc:  # the outcome names it
+        return exc
+
+
+@case("allocated; value=[3.0, 3.0]")
+def another_thread_allocates_during_a_thread_local_capture(be: Any) -> str:
+    # CUDA refuses an unsafe call (a cudaMalloc) only from the capturing thread in this mode.
+    return _capture_while_main_allocates(be, "thread_local")

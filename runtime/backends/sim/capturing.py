@@ -5,6 +5,7 @@ events (state.py). What a capture records and a replay runs is capture.py's."""
 from __future__ import annotations
 
 import functools
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,7 +56,14 @@ class Capturing(StreamsAndEvents):
         self.scheduler.drain(origin)
         capture = Capture(handle, _release_block, keeps_pinned=KEEPS_CAPTURED_PINNED_BLOCKS)
         self._active = ActiveCapture(
-            graph, capture, origin, torch.initial_seed(), error_mode, {origin: False}, {origin: 0}
+            graph,
+            capture,
+            origin,
+            torch.initial_seed(),
+            error_mode,
+            threading.get_ident(),
+            {origin: False},
+            {origin: 0},
         )
         graph._program = None
         graph._pool = handle

@@ -160,12 +160,13 @@ class Dispatching(Capturing):
         active = self._active
         if active is not None:
             if stream not in active.unjoined:
-                if active.error_mode != "relaxed" and op.allocates:
+                if op.allocates and active.refuses_allocation():
                     raise active.capture.fail(
                         f"{op.name} on a stream outside the capture needs a new "
                         "allocation while a stream is capturing (operation not permitted when "
-                        "stream is capturing): allocate before the capture, or capture with "
-                        "capture_error_mode='relaxed'"
+                        "stream is capturing): allocate before the capture, capture with "
+                        "capture_error_mode='relaxed', or with 'thread_local' and allocate "
+                        "from another thread"
                     )
                 result = func(*args, **kwargs)  # not part of the capture: runs at once
                 self._note_call(stream, op, args, kwargs, result, tensors)

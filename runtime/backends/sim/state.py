@@ -9,6 +9,7 @@ and events (events.py), capture and replay (capturing.py), the dispatch of every
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,11 +35,22 @@ class ActiveCapture:
     origin: SimStream
     # the global generator's seed at capture_begin: CUDA refuses manual_seed(other) in a capture
     seed: int
-    # "global" / "thread_local": allocating outside the capture is refused; "relaxed": allowed
+    # "global": allocating outside the capture is refused in every thread; "thread_local": in
+    # the capturing thread only; "relaxed": never
     error_mode: str
+    # the thread that began the capture
+    thread: int = 0
     # member stream -> whether it has work not yet joined back into the origin
     unjoined: dict[SimStream, bool] = field(default_factory=dict)
     ops_on: dict[SimStream, int] = field(default_factory=dict)
+
+    def refuses_allocation(self) -> bool:
+        """Whether an allocation outside the capture, in the calling thread, is refused (CUDA's
+        capture modes: an unsafe call such as cudaMalloc is refused from any thread while a
+        global capture runs, only from the capturing thread while a thread-local one does)."""
+        if self.error_mode == "global":
+            return True
+        return self.error_mode == "thread_local" and threading.get_ident() == self.thread
 
 
 class SimState:
