@@ -53,7 +53,7 @@ from pytest_graphmode.fuzz.registry import (
 )
 from pytest_graphmode.fuzz.snippet import replay_snippet
 from pytest_graphmode.fuzz.violation import Violation
-from pytest_graphmode.runtime.backends import Backend
+from pytest_graphmode.runtime.backends import Backend, capture_error_of
 from pytest_graphmode.strategies import stressors
 from pytest_graphmode.strategies.idle_blocks import (
     MarkedBlocks,
@@ -301,7 +301,18 @@ class Lockstep:
             with stressors.writes_into_targets():
                 for key, tensor in state.items():
                     tensor.copy_(saved[key])
-        self.backend.synchronize()
+        try:
+            self.backend.synchronize()
+        except RuntimeError as error:
+            if capture_error_of(error) is None:
+                raise
+            raise ValueError(
+                "a capture was still in progress when the harness synchronized the device to "
+                "start the next example on the kept twins (a capture the runner began on another "
+                "thread and had not ended when its step returned): CUDA refuses a device "
+                "synchronize during any capture, so a runner's captures must end before its step "
+                f"returns ({error})"
+            ) from error
         self.backend.take_races()  # the harness's own restoring copies
         torch.manual_seed(seed)
         self.backend.set_scheduler_seed(seed)

@@ -111,14 +111,35 @@ def test_sim_work_on_a_stream_outside_the_capture_is_missing_from_replay(sim):
     g = sim.Graph()
     with sim.graph(g):
         y = x * 2
-        with sim.stream(outsider):  # never forked into the capture: runs now, is not recorded
+        with sim.stream(outsider):  # never forked into the capture: runs, is not recorded
             side_result.copy_(x).mul_(7)
+    outsider.synchronize()  # eager work on its stream, in its order: waited for like any other
     assert torch.equal(side_result, torch.full((4,), 7.0, device=sim.device))
     side_result.zero_()
     x.fill_(2.0)
     g.replay()
     assert torch.equal(y, torch.full((4,), 4.0, device=sim.device))
     assert torch.equal(side_result, torch.zeros(4, device=sim.device))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sim_work_outside_a_capture_runs_in_its_streams_order(sim, seed):
+    # Issued on a stream the capture never joined while the capture runs (as another thread's
+    # eager work is): after the work queued on that stream before it, as on CUDA.
+    sim.set_scheduler_seed(seed)
+    x, z = torch.zeros(4, device=sim.device), torch.ones(4, device=sim.device)
+    ones = sim.empty_pinned(4)
+    ones.fill_(1.0)
+    outsider = sim.Stream()
+    outsider.wait_stream(sim.current_stream())
+    g = sim.Graph()
+    with sim.graph(g):
+        z * 2
+        with sim.stream(outsider):
+            x.copy_(ones, non_blocking=True)  # queued
+            x.mul_(3)
+    outsider.synchronize()
+    assert torch.equal(x, torch.full((4,), 3.0, device=sim.device))
 
 
 def test_sim_rebound_and_freed_weight_makes_replay_raise_use_after_free(sim):

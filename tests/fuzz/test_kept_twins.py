@@ -3,6 +3,7 @@ after a weight update, and a failure that needs their history replays from its s
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import pytest
@@ -20,6 +21,7 @@ from pytest_graphmode.fuzz.kept_twins import (
     KeptTwins,
 )
 from pytest_graphmode.fuzz.lockstep import Lockstep
+from pytest_graphmode.runtime import backends
 from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
 from tests.fuzz import toy
@@ -264,3 +266,50 @@ def test_a_failure_that_needs_the_kept_twins_seed_says_so_and_replays_that_examp
     assert snippet.count("Reset(") == 1 and "seed=1" in snippet  # the example alone, after one
     with pytest.raises(GraphmodeFailure):
         exec(snippet, {})
+
+
+class CapturesInTheBackground(toy.ToyTarget):
+    """Graph mode begins a capture on a thread of its own at its first step and leaves it open
+    (until closed), as a runner capturing in the background while eager steps go on."""
+
+    def __init__(self, mode: str, *, seed: int, backend: str) -> None:
+        super().__init__(mode, seed=seed, backend=backend)
+        self._be = backends.get(backend)
+        self._input = torch.ones(2, device=self._be.device)
+        self._gate = threading.Event()
+        self._worker: threading.Thread | None = None
+
+    def step(self, batch: Batch) -> StepResult:
+        if self.mode == "graph" and self._worker is None:
+            opened = threading.Event()
+            self._worker = threading.Thread(target=self._capture, args=(opened,))
+            self._worker.start()
+            opened.wait(10)
+        return super().step(batch)
+
+    def _capture(self, opened: threading.Event) -> None:
+        be = self._be
+        graph, stream = be.Graph(), be.Stream()
+        try:
+            with be.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                self._input * 2
+                opened.set()
+                self._gate.wait(10)
+        except Exception:  # the harness's synchronize invalidated it: the test reads the report
+            opened.set()
+
+    def close(self) -> None:
+        self._gate.set()
+        if self._worker is not None:
+            self._worker.join()
+        super().close()
+
+
+def captures_in_the_background(mode: str, *, seed: int, backend: str) -> CapturesInTheBackground:
+    return CapturesInTheBackground(mode, seed=seed, backend=backend)
+
+
+def test_a_capture_left_open_when_a_step_returns_stops_the_campaign_saying_so():
+    factory = captures_in_the_background
+    with pytest.raises(ValueError, match="a capture was still in progress"):
+        run_campaign(factory, backend="sim", max_examples=3, max_steps=2, seed=0)

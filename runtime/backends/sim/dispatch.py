@@ -19,6 +19,7 @@ from pytest_graphmode.runtime.backends.sim.generators import bind_draw, philox_s
 from pytest_graphmode.runtime.backends.sim.limits import check_kernel_dtypes, check_runnable
 from pytest_graphmode.runtime.backends.sim.ops import OpFacts
 from pytest_graphmode.runtime.backends.sim.pool import poison_
+from pytest_graphmode.runtime.backends.sim.state import ActiveCapture
 from pytest_graphmode.runtime.backends.sim.streams import SimStream, new_work
 
 if TYPE_CHECKING:
@@ -152,7 +153,8 @@ class Dispatching(Capturing):
         tensors: list[torch.Tensor],
         host_scalars: bool,
     ) -> Any:
-        """Device work: recorded in a capture, run at once on the default stream, else queued.
+        """Device work: recorded on a capturing stream, else run at once on the default stream
+        (after the work queued on it), else queued.
         `host_scalars`: a 0-dim host tensor is among the arguments (a kernel argument, read when
         the operation is issued)."""
         func = op.func
@@ -168,17 +170,10 @@ class Dispatching(Capturing):
                         "capture_error_mode='relaxed', or with 'thread_local' and allocate "
                         "from another thread"
                     )
-                result = func(*args, **kwargs)  # not part of the capture: runs at once
-                self._note_call(stream, op, args, kwargs, result, tensors)
-                self._note_allocation(stream, op, result)
-                return result
-            self._check_seed(active)
-            active.ops_on[stream] += 1
-            if stream is not active.origin:
-                active.unjoined[stream] = True
-            if not op.quiet and ops.capture_violation(op, args, kwargs) is None:
-                check_kernel_dtypes(op, args, kwargs, tensors, self._internal)
-            return active.capture.record(op, args, kwargs)
+            else:
+                return self._recorded(active, op, args, kwargs, tensors)
+        # Eager work, also while another stream captures (another thread's, or a stream the
+        # capture never joined): in its stream's order, after the work queued on it before.
         self.scheduler.maybe_progress()
         if op.allocates and self._frees.watched:
             self._before_allocation(stream, op)
@@ -199,6 +194,24 @@ class Dispatching(Capturing):
             args, kwargs = _baked(args), {k: _baked(v) for k, v in kwargs.items()}
             return self._defer(stream, op, args, kwargs, None)
         return self._defer(stream, op, args, kwargs, tensors)
+
+    def _recorded(
+        self,
+        active: ActiveCapture,
+        op: OpFacts,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        tensors: list[torch.Tensor],
+    ) -> Any:
+        """An operation issued on a capturing stream: recorded into the capture, not run."""
+        stream = self._current
+        self._check_seed(active)
+        active.ops_on[stream] += 1
+        if stream is not active.origin:
+            active.unjoined[stream] = True
+        if not op.quiet and ops.capture_violation(op, args, kwargs) is None:
+            check_kernel_dtypes(op, args, kwargs, tensors, self._internal)
+        return active.capture.record(op, args, kwargs)
 
     def _defer(
         self,
