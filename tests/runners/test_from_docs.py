@@ -16,7 +16,7 @@ from pytest_graphmode.fuzz.ranks import run_rank_campaign
 from tests.runners.caught import assert_caught, failure_of
 
 # runner -> the check that catches its bug on sim
-CAUGHT_BY = {
+CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     "max_context_baked": "replay_matches_eager",  # a capture batch's longest context baked in
     "dirty_rows": "kv_writes_land",  # a condensed row never re-uploaded to the device table
     "event_before_copy": "no_stream_races",  # the upload's event recorded before its copies
@@ -97,6 +97,13 @@ CAUGHT_BY = {
     "ssm_initial_state_flag": "replay_matches_eager",
     # the capture batch's count of logit-bias entries baked in, not the device count
     "logit_bias_sparse_lists": "replay_matches_eager",
+    # a moved row keeps the M-RoPE position delta of the request that held the row before
+    "mrope_delta_stale": "replay_matches_eager",
+    # the capture batch's decode/prefill split, a host int, baked into a full graph
+    "decode_prefill_split_baked": "replay_matches_eager",
+    # padding rows keep a stale slot: a poisoned one (-1, huge) indexes past the interleaved
+    # cache (seeds 0 and 1), a departed request's is written over (seed 2)
+    "flashinfer_kv_layout": ("replay_matches_eager", "kv_writes_confined"),
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
@@ -132,10 +139,15 @@ RACE_ON_CUDA = (
     "sampling_independent",
     "results_stay_valid",
 )
-ON_CUDA = {
-    runner: RACE_ON_CUDA if check == "no_stream_races" else (check,)
-    for runner, check in CAUGHT_BY.items()
-}
+
+
+def _on_cuda(check: str | tuple[str, ...]) -> tuple[str, ...]:
+    if check == "no_stream_races":
+        return RACE_ON_CUDA
+    return (check,) if isinstance(check, str) else check
+
+
+ON_CUDA = {runner: _on_cuda(check) for runner, check in CAUGHT_BY.items()}
 # An index past a table is an exception on sim and a device-side assert on a GPU.
 ON_CUDA["rope_table_one_short"] = ("replay_matches_eager", "no_device_fault")
 # Index copies made once hold the capture's values, which on a GPU may index past a table.
@@ -154,6 +166,8 @@ ON_CUDA["pinned_upload_in_capture"] = RACE_ON_CUDA
 # The padding row's update of a live request's state shows in the state after the step, or
 # (seed 2 on the H200) first in the padding rows' effect on what the step returns.
 ON_CUDA["state_slot_padding"] = ("states_match", "padding_inert")
+# A stale padding slot past the cache is an exception on sim and a device-side assert on a GPU.
+ON_CUDA["flashinfer_kv_layout"] = ("replay_matches_eager", "kv_writes_confined", "no_device_fault")
 LEADING = 10  # the campaign's fixed leading examples (fuzz/campaign.py)
 
 
