@@ -128,21 +128,25 @@ class Capturing(StreamsAndEvents):
         # ran, so host writes to pinned memory it reads, and host reads of pinned memory it
         # writes, race with it until something waits for the stream.
         touched = []
+        pinned_reads = False
+        written: list[Any] = []  # pinned storages it writes
+        pinned_now = self._pinned
         for ref, fp, write in program.accesses:
             storage = ref()
             if storage is not None:
                 touched.append((storage, fp, write))
+                if pinned_now and fp.storage in pinned_now:
+                    if write:
+                        written.append(storage)
+                    else:
+                        pinned_reads = True
         races = self._races
-        reads_pinned = any(not write and fp.storage in self._pinned for _, fp, write in touched)
         agent = races.agent(self._current)
-        accesses = races.access(agent, touched, "graph replay", keep=reads_pinned)
+        accesses = races.access(agent, touched, "graph replay", keep=pinned_reads)
         self._note_uses(self._current, agent, touched, "graph replay")
         pinned = [storage for storage, _, _ in touched] if accesses else []
         watches = self._watch_pinned_reads(accesses, pinned)
 
-        written = [
-            storage for storage, fp, write in touched if write and fp.storage in self._pinned
-        ]
         retired = self._retired_by(agent, written) if written else []
         draws = program.draws.reserve() if program.draws else None
         run = self._after_watches(watches, functools.partial(program.run, storages, draws), retired)

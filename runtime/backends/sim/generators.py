@@ -60,6 +60,17 @@ def check_draw(backend: SimBackend, generator: Any) -> None:
     )
 
 
+def refuse_in_capture(backend: SimBackend, what: str) -> None:
+    """A device generator's `what` (`get_offset`, `set_offset`, `seed`, `clone_state`), which
+    CUDA asserts no stream captures for: refused while the current stream captures."""
+    active = backend.capturing_here()
+    if active is not None:
+        raise active.capture.fail(
+            f"Cannot call CUDAGeneratorImpl::{what} during CUDA graph capture (as CUDA refuses "
+            "it): call it before the capture or after it"
+        )
+
+
 def check_reseed(backend: SimBackend, generator: Any, seed: int) -> None:
     """`generator.manual_seed(seed)`: refused while the current stream captures, unless `seed` is
     the generator's own (CUDA: 'set_current_seed can be called during stream capture only if new

@@ -21,6 +21,7 @@ from pytest_graphmode.runtime.backends.sim.generators import (
     check_reseed,
     name_device_generator,
     philox_state,
+    refuse_in_capture,
 )
 from pytest_graphmode.runtime.backends.sim.limits import SimUnsupportedError
 from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream
@@ -66,17 +67,17 @@ class SimGenerator(torch._C.Generator):
         return self._philox.seed
 
     def seed(self) -> int:
-        _refuse_in_capture("seed")
+        refuse_in_capture(current_backend(), "seed")
         fresh = int(torch._C.Generator().seed())
         self._philox.seed, self._philox.offset = fresh, 0
         return fresh
 
     def get_offset(self) -> int:
-        _refuse_in_capture("get_offset")
+        refuse_in_capture(current_backend(), "get_offset")
         return self._philox.offset
 
     def set_offset(self, offset: int) -> SimGenerator:
-        _refuse_in_capture("set_offset")
+        refuse_in_capture(current_backend(), "set_offset")
         self._philox.offset = _checked_offset(offset)
         return self
 
@@ -103,7 +104,7 @@ class SimGenerator(torch._C.Generator):
 
     def clone_state(self) -> SimGenerator:
         """A new device generator holding a copy of this one's seed and offset."""
-        _refuse_in_capture("clone_state")
+        refuse_in_capture(current_backend(), "clone_state")
         made = SimGenerator(self.device)
         made._philox = PhiloxState(self._philox.seed, self._philox.offset)
         return made
@@ -121,16 +122,6 @@ class SimGenerator(torch._C.Generator):
             raise RuntimeError("Expected a CUDA Generator (graphsafe_set_state takes a device one)")
         self._philox = shared
         return self
-
-
-def _refuse_in_capture(what: str) -> None:
-    """CUDA asserts that no stream captures for these calls of a device generator."""
-    active = current_backend().capturing_here()
-    if active is not None:
-        raise active.capture.fail(
-            f"Cannot call CUDAGeneratorImpl::{what} during CUDA graph capture (as CUDA refuses "
-            "it): call it before the capture or after it"
-        )
 
 
 def _checked_offset(offset: Any) -> int:
