@@ -169,6 +169,14 @@ def unwritten_slots(
     return [slot for slot, marked in zip(slots, still.tolist(), strict=True) if marked]
 
 
+def marked_rows(tensor: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
+    """Which of `slots` hold the mark in every element of `tensor`, a floating slot-major tensor
+    (a host snapshot taken after a step), as a bool tensor over `slots`."""
+    bits = tensor.detach().view(_BITS[tensor.element_size()])
+    rows = bits[list(slots)].reshape(len(slots), -1)
+    return (rows == _mark_bits(tensor.dtype)).all(dim=1)
+
+
 @functools.cache
 def _mark_bits(dtype: torch.dtype) -> int:
     return int(torch.tensor(MARK).to(dtype).view(_BITS[dtype.itemsize]).item())

@@ -202,7 +202,14 @@ REGISTRY: tuple[Check, ...] = (
     Check(
         checks.PADDING_INERT,
         lambda e: checks.padding_inert(
-            e.batch, e.graph, e.clean, e.graph_after, e.clean_after, e.spec, e.paired
+            e.batch,
+            e.graph,
+            e.clean,
+            e.graph_after,
+            e.clean_after,
+            e.spec,
+            e.paired,
+            eager_after=e.eager_after,
         ),
     ),
     Check(

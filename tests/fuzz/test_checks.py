@@ -189,6 +189,22 @@ def test_a_valid_kv_slot_changed_by_poison_breaks_padding_inertness():
     assert v.slot == 2 and v.req_id == 8
 
 
+def test_state_written_less_often_than_once_a_token_may_keep_the_mark_on_both_marked_twins():
+    # Slot 2 is request 8's to write; a scale per block, say, leaves it unwritten: the marked
+    # twins (poisoned graph, eager) keep the mark, the clean twin, never marked, holds its 0.
+    outcome = Outcome(result(GOOD))
+    kept = kv(s2=MARK)
+    assert checks.padding_inert(BATCH, outcome, outcome, kept, kv(), SPEC, eager_after=kept) == []
+
+
+def test_the_mark_kept_by_the_poisoned_twin_alone_still_breaks_padding_inertness():
+    outcome = Outcome(result(GOOD))
+    [v] = checks.padding_inert(
+        BATCH, outcome, outcome, kv(s2=MARK), kv(), SPEC, eager_after=kv(s2=1.0)
+    )
+    assert v.slot == 2 and v.req_id == 8
+
+
 def test_poison_changing_the_dispatch_breaks_padding_inertness():
     eager = Outcome(result(GOOD, path="eager", key=None))
     [v] = checks.padding_inert(BATCH, eager, Outcome(result(GOOD)), kv(), kv(), SPEC)

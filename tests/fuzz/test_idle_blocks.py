@@ -3,9 +3,20 @@ slot-major state only, restored bit for bit afterwards."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from pytest_graphmode.contract import Batch, Request
+from pytest_graphmode.contract import (
+    AddressView,
+    Batch,
+    Request,
+    StepResult,
+    kv_slot,
+    request_slots,
+)
+from pytest_graphmode.fuzz import replay
+from pytest_graphmode.runtime.backends import get as get_backend
 from pytest_graphmode.strategies.idle_blocks import (
     MARK,
     idle_slots,
@@ -98,3 +109,48 @@ def test_a_pair_leaves_unmarked_the_slots_its_second_step_writes_where_the_first
     assert slots_to_write(SPEC, [FIRST, SECOND]) == sorted(
         [*slots_to_write(SPEC, [FIRST]), 9 * SIZE]
     )
+
+
+class _LastTokenState:
+    """An eager runner whose state holds its keys at every token and a second tensor written only
+    at each request's last token: state written less often than once a token (docs/contract.md)."""
+
+    spec = dataclasses.replace(SPEC, capture_sizes=(1,), features=frozenset({"decode", "prefill"}))
+
+    def __init__(self, mode: str, *, seed: int, backend: str) -> None:
+        self.device = get_backend(backend).device
+        self.kv = torch.zeros(SPEC.num_slots, 2, device=self.device)
+        self.last = torch.zeros(SPEC.num_slots, 2, device=self.device)
+
+    def step(self, batch: Batch) -> StepResult:
+        size = SPEC.block_size
+        every = [s for r in batch.requests for s in request_slots(r, size)]
+        last = [kv_slot(r.block_ids, r.seq_len - 1, size) for r in batch.requests]
+        self.kv[torch.tensor(every, device=self.device)] = 1.0
+        self.last[torch.tensor(last, device=self.device)] = 2.0
+        logits = torch.zeros(batch.num_reqs, SPEC.vocab_size, device=self.device)
+        tokens = torch.zeros(batch.num_reqs, dtype=torch.int64, device=self.device)
+        return StepResult(logits, tokens, "eager", None, reason="no graphs")
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"kv": self.kv, "last": self.last}
+
+    def static_buffers(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def address_views(self) -> list[AddressView]:
+        return []
+
+    def update_weights(self, seed: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_state_written_once_a_request_keeps_the_mark_and_passes():
+    # The slots a step writes are marked on the poisoned and eager twins, not the clean one:
+    # `padding_inert` compared the mark kept in `last` with the clean twin's 0 and failed.
+    prefill = Batch((Request(0, (3, 5), 0, (1,)),))
+    decode = Batch((Request(0, (7,), 2, (1,)),))
+    replay([prefill, decode], backend="sim", seed=0, factory=_LastTokenState)

@@ -104,6 +104,12 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # padding rows keep a stale slot: a poisoned one (-1, huge) indexes past the interleaved
     # cache (seeds 0 and 1), a departed request's is written over (seed 2)
     "flashinfer_kv_layout": ("replay_matches_eager", "kv_writes_confined"),
+    # the capture's dummy rows give cross-attention its encoder length, a host int baked in
+    "cross_attention_lengths": "replay_matches_eager",
+    # the draft graph reads the target graph's own output, not the buffer every path writes
+    "draft_reads_hidden_states": "states_match",
+    # a future map resolved on the copy stream, not after the forward stream that writes it
+    "overlap_future_tokens": "no_stream_races",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
