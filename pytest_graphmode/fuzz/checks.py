@@ -63,10 +63,15 @@ def _last_line(error: str) -> str:
 
 
 def replay_matches_eager(
-    batch: Batch, graph: Outcome, eager: Outcome, spec: TargetSpec
+    batch: Batch,
+    graph: Outcome,
+    eager: Outcome,
+    spec: TargetSpec,
+    precision: torch.dtype | None = None,
 ) -> list[Violation]:
     """Graph logits match eager within tolerance (-inf, a masked token, on both or neither; never
-    NaN or +inf); tokens match where decidable."""
+    NaN or +inf); tokens match where decidable. `precision`: the twin's `state_precision`, the
+    finest the logits can be (`tolerance.row_tolerance`)."""
     name = REPLAY_MATCHES_EAGER
     if graph.error or eager.error:
         if graph.error and eager.error:
@@ -98,7 +103,7 @@ def replay_matches_eager(
                     differences(logits[row], logits[row], sound[row])["actual"],
                 )
             ]
-    tol = row_tolerance(e)
+    tol = row_tolerance(e, precision)
     far = logit_distance(g, e) > tol[:, None]
     if bool(far.any()):
         row, col = (int(i) for i in far.nonzero()[0])

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from pytest_graphmode.contract import Batch, TargetSpec, request_slots, slot_major
-from pytest_graphmode.fuzz.tolerance import same_bits, within
+from pytest_graphmode.fuzz.tolerance import same_bits, within, within_slots
 from pytest_graphmode.fuzz.violation import Violation, differences
 from pytest_graphmode.strategies.idle_blocks import (
     slots_to_write,
@@ -152,8 +152,9 @@ def unlanded(
 def states_match(
     batch: Batch, graph_after: State, eager_after: State, spec: TargetSpec
 ) -> list[Violation]:
-    """The twins' states agree after the step (dtype tolerance; exact for integers). The null
-    block is padding's sink and is not compared."""
+    """The twins' states agree after the step (exact for integers; floating slot-major state
+    slot by slot at its dtype's tolerance times the slot's scale, other floating state element by
+    element). The null block is padding's sink and is not compared."""
     name = STATES_MATCH
     if set(graph_after) != set(eager_after):
         return [
@@ -176,9 +177,8 @@ def states_match(
                     actual=f"{tuple(actual.shape)} {actual.dtype}",
                 )
             ]
-        equal = within(actual, expected)
         if slot_major(expected, spec):
-            rows = row_mask(equal)
+            rows = row_mask(within_slots(actual, expected))
             rows[null : null + spec.block_size] = True
             if not bool(rows.all()):
                 slot = int((~rows).nonzero()[0])
@@ -189,11 +189,15 @@ def states_match(
                         f"state {key!r} differs at slot {slot} ({where})",
                         slot=slot,
                         **differences(
-                            expected[slot], actual[slot], within(actual[slot], expected[slot])
+                            expected[slot],
+                            actual[slot],
+                            within_slots(actual[slot : slot + 1], expected[slot : slot + 1])[0],
                         ),
                     )
                 ]
-        elif not bool(equal.all()):
+            continue
+        equal = within(actual, expected)
+        if not bool(equal.all()):
             index = tuple(int(i) for i in (~equal).nonzero()[0])
             return [
                 Violation(

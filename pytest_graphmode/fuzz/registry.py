@@ -26,6 +26,7 @@ from pytest_graphmode.fuzz import (
 )
 from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.kv_checks import State
+from pytest_graphmode.fuzz.tolerance import state_precision
 from pytest_graphmode.fuzz.violation import Violation
 from pytest_graphmode.runtime.backends.race import Race
 
@@ -86,6 +87,12 @@ class Evidence:
     def twin_raised(self) -> bool:
         return bool(self.graph.error or self.eager.error)
 
+    @property
+    def precision(self) -> torch.dtype | None:
+        """The finest precision the step's logits can have: that of the twin's floating
+        slot-major state (`tolerance.state_precision`)."""
+        return state_precision(self.eager_before, self.spec)
+
 
 @dataclass(frozen=True)
 class Check:
@@ -129,7 +136,9 @@ def _results_stay_valid(e: Evidence) -> list[Violation]:
 
 def _sampling_independent(e: Evidence) -> list[Violation]:
     assert e.company_batch is not None and e.company is not None  # see `applies`
-    return sampling_check.sampling_independent(e.company_batch, e.company, e.batch, e.eager, e.spec)
+    return sampling_check.sampling_independent(
+        e.company_batch, e.company, e.batch, e.eager, e.spec, e.precision
+    )
 
 
 # A device fault (illegal memory access, device-side assert) kills the process that runs the step:
@@ -196,7 +205,7 @@ REGISTRY: tuple[Check, ...] = (
     Check(checks.RESULTS_STAY_VALID, _results_stay_valid),
     Check(
         checks.REPLAY_MATCHES_EAGER,
-        lambda e: checks.replay_matches_eager(e.batch, e.graph, e.eager, e.spec),
+        lambda e: checks.replay_matches_eager(e.batch, e.graph, e.eager, e.spec, e.precision),
         judges_raising_twins=True,
     ),
     Check(

@@ -27,6 +27,8 @@ import dataclasses
 import random
 from dataclasses import dataclass
 
+import torch
+
 from pytest_graphmode.contract import Batch, TargetSpec
 from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.tolerance import (
@@ -81,10 +83,15 @@ def company_batch(
 
 
 def sampling_independent(
-    company_batch: Batch, company: Outcome, batch: Batch, eager: Outcome, spec: TargetSpec
+    company_batch: Batch,
+    company: Outcome,
+    batch: Batch,
+    eager: Outcome,
+    spec: TargetSpec,
+    precision: torch.dtype | None = None,
 ) -> list[Violation]:
     """A sampled request draws the same token whatever company, row and KV blocks it runs in,
-    where its logits agree."""
+    where its logits agree (`precision`: as for `checks.replay_matches_eager`)."""
     if eager.result is None:
         return []  # replay_matches_eager reports a failing eager twin
     if company.result is None:
@@ -97,7 +104,7 @@ def sampling_independent(
     rows = {r.req_id: i for i, r in enumerate(batch.requests)}
     mine = company.result.logits.detach().cpu().float()
     theirs = eager.result.logits.detach().cpu()
-    tol = row_tolerance(theirs)  # of the logits as the runner made them, not as upcast here
+    tol = row_tolerance(theirs, precision)  # of the logits as the runner made them, not upcast
     theirs = theirs.float()
     tokens = company.result.next_tokens.cpu().tolist()
     reference = eager.result.next_tokens.cpu().tolist()

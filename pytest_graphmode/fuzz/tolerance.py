@@ -1,19 +1,35 @@
 """How close is close enough: dtype-aware tolerances and NaN-aware element comparisons.
 
-Logits are compared relative to their scale (a row's largest magnitude, at least 1), because a
-runner's graph path may legitimately use other kernels than its eager path; integers and anything
-that ran the same kernels at the same shapes are compared bit for bit.
+Logits, and each slot of floating slot-major state, are compared relative to their scale (a row's
+or a slot's largest magnitude, at least 1), because a runner's graph path may legitimately use
+other kernels than its eager path (a padded batch alone makes a GEMM library pick another
+algorithm); an element near zero in a slot of larger values carries the rounding of the whole dot
+product that made it, not of its own magnitude. Integers and anything that ran the same kernels
+at the same shapes are compared bit for bit.
+
+A model is no more precise than the state it keeps: a KV cache in bfloat16 rounds every key and
+value to bfloat16, and float32 logits computed from attention over it (a float32 LM head, a
+float32 soft-cap) carry that rounding. So logits are judged at the tolerance of the coarser of
+the precision they show (`computed_in`) and that of the twin's floating slot-major state
+(`state_precision`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
+
+from pytest_graphmode.contract import TargetSpec, slot_major
 
 _RTOL = {
     torch.float64: 1e-7,
     torch.float32: 1e-4,
     torch.float16: 2e-2,
     torch.bfloat16: 2e-2,
+    # One unit in the last place at a slot's scale: three mantissa bits, and two.
+    torch.float8_e4m3fn: 0.125,
+    torch.float8_e5m2: 0.25,
 }
 
 SAMPLED_AGREEMENT = 1e-6
@@ -45,11 +61,29 @@ def computed_in(logits: torch.Tensor) -> torch.dtype:
     return logits.dtype
 
 
-def row_tolerance(reference: torch.Tensor) -> torch.Tensor:
+def state_precision(state: Mapping[str, torch.Tensor], spec: TargetSpec) -> torch.dtype | None:
+    """The coarsest precision of the floating slot-major tensors of `state` (a KV cache's dtype;
+    None without such a tensor). A cache stored in 8 bits is read by arithmetic in a wider type,
+    so float8 counts as bfloat16 here."""
+    coarsest: torch.dtype | None = None
+    for tensor in state.values():
+        if not tensor.is_floating_point() or not slot_major(tensor, spec):
+            continue
+        dtype = torch.bfloat16 if tensor.element_size() == 1 else tensor.dtype
+        if coarsest is None or rtol(dtype) > rtol(coarsest):
+            coarsest = dtype
+    return coarsest
+
+
+def row_tolerance(reference: torch.Tensor, floor: torch.dtype | None = None) -> torch.Tensor:
     """Per-row absolute tolerance of `[rows, vocab]` logits: rtol of the precision they were
-    computed in (`computed_in`) times the row's scale."""
+    computed in (`computed_in`, or `floor`, the twin's `state_precision`, where that is coarser)
+    times the row's scale."""
     scale = reference.detach().abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=-1).clamp_min(1.0)
-    return rtol(computed_in(reference)) * scale.float()
+    relative = rtol(computed_in(reference))
+    if floor is not None:
+        relative = max(relative, rtol(floor))
+    return relative * scale.float()
 
 
 def logit_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -81,6 +115,19 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_floating_point():
         equal |= a.isnan() & b.isnan()
     return equal
+
+
+def within_slots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise closeness of two slot-major tensors, each slot (the leading index) judged at
+    its dtype's tolerance times its scale (its largest finite magnitude in `b`, at least 1), as
+    logits are per row; exact for integers, NaN equals NaN."""
+    if not a.is_floating_point():
+        return a == b
+    a32, b32 = a.float(), b.float()
+    scale = b32.abs().nan_to_num(0.0, 0.0, 0.0).reshape(b32.shape[0], -1).amax(dim=1)
+    tol = rtol(a.dtype) * scale.clamp_min(1.0).reshape(-1, *([1] * (b32.dim() - 1)))
+    close = (a32 - b32).abs() <= tol
+    return close | (a32.isnan() & b32.isnan()) | (a32 == b32)
 
 
 def within(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pytest_graphmode.contract import AddressView, Batch, Request, StepResult, TargetSpec
-from pytest_graphmode.fuzz import addresses, checks, kv_checks, sampling_check
+from pytest_graphmode.fuzz import addresses, checks, kv_checks, sampling_check, tolerance
 from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.violation import differences
 from pytest_graphmode.strategies.idle_blocks import MARK
@@ -63,6 +63,29 @@ def test_logits_within_float32_tolerance_pass():
     assert (
         checks.replay_matches_eager(BATCH, Outcome(result(near)), Outcome(result(GOOD)), SPEC) == []
     )
+
+
+def test_float32_logits_of_a_model_that_keeps_bfloat16_state_get_its_tolerance():
+    # A float32 LM head over bfloat16 hidden states: float32 bits, bfloat16's rounding.
+    off = [[4.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.01, 0.0]]
+    graph, eager = Outcome(result(off)), Outcome(result(GOOD))
+    assert checks.replay_matches_eager(BATCH, graph, eager, SPEC, torch.bfloat16) == []
+    [v] = checks.replay_matches_eager(BATCH, graph, eager, SPEC, torch.float32)
+    assert v.row == 1
+
+
+def test_state_precision_is_the_coarsest_floating_slot_major_state_float8_read_as_bfloat16():
+    slots = SPEC.num_slots
+    state = {
+        "kv": torch.zeros(slots, 3),
+        "scales": torch.zeros(slots, dtype=torch.float8_e4m3fn),
+        "ids": torch.zeros(slots, dtype=torch.int64),
+        "weights": torch.zeros(slots + 1, 2, dtype=torch.float16),  # not slot-major
+    }
+    assert tolerance.state_precision(state, SPEC) == torch.bfloat16
+    del state["scales"]
+    assert tolerance.state_precision(state, SPEC) == torch.float32
+    assert tolerance.state_precision({"ids": state["ids"]}, SPEC) is None
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
@@ -150,6 +173,18 @@ def test_states_that_agree_match():
 def test_state_difference_outside_the_null_block_fails():
     [v] = kv_checks.states_match(BATCH, kv(s6=1.5), kv(s6=1.0), SPEC)
     assert v.slot == 6 and v.check == "states_match"
+
+
+def test_a_bfloat16_slot_is_judged_at_its_own_scale_not_element_by_element():
+    # Layer-1 keys of a model whose graph path rounds its attention otherwise: an element near
+    # zero carries the rounding of the slot's larger values.
+    eager = {"kv": torch.zeros(SPEC.num_slots, 3, dtype=torch.bfloat16)}
+    eager["kv"][6] = torch.tensor([3.0, -2.0, 0.0])
+    near, far = eager["kv"].clone(), eager["kv"].clone()
+    near[6, 2], far[6, 2] = 0.025, 0.1  # within 2e-2 of the slot's scale 3, and beyond
+    assert kv_checks.states_match(BATCH, {"kv": near}, eager, SPEC) == []
+    [v] = kv_checks.states_match(BATCH, {"kv": far}, eager, SPEC)
+    assert v.slot == 6
 
 
 def test_null_block_is_not_compared_between_twins():

@@ -110,6 +110,8 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     "draft_reads_hidden_states": "states_match",
     # a future map resolved on the copy stream, not after the forward stream that writes it
     "overlap_future_tokens": "no_stream_races",
+    # a split-KV plan from the capture batch's longest sequence, baked in (bfloat16, fused QKV)
+    "bf16_fused_graph_path": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
