@@ -112,6 +112,8 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     "overlap_future_tokens": "no_stream_races",
     # a split-KV plan from the capture batch's longest sequence, baked in (bfloat16, fused QKV)
     "bf16_fused_graph_path": "replay_matches_eager",
+    # the next step's upload overwrites device staging the previous step has not read yet
+    "block_table_upload_war": "no_stream_races",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
