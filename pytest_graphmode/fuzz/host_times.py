@@ -12,20 +12,16 @@ after it never showed.
 
 So the harness measures the host time of every step each twin runs and holds a delayed step's
 stream back for four times the time of the steps it must outlast (its own, and for a pipelined pair's
-first step, the second's too), up to `MAX_HOLD_SECONDS`. A step's time is the graph twin's latest
-undelayed step of the same phase and shape (the capture size its tokens pad to, or none above the
-largest: what decides whether it replays or runs eagerly), the delayed twin itself; before it has
-run one, the slowest twin's latest step of the phase (the references run a pair's steps before the
-graph twin, so a pair has that figure even the first time). Until 2026-12-05 it was always the
-slowest twin's: an eager reference's forward, several times a replay's host time, held every
-delayed replay that much longer than its host, and the host then waited for the sleep.
+first step, the second's too), from the latest step of the same phase on the graph and eager twins
+(the references run a pair's steps before the graph twin, so a pair has that figure even the
+first time), up to `MAX_HOLD_SECONDS`.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import torch
@@ -46,41 +42,29 @@ MAX_HOLD_SECONDS = 0.025
 T = TypeVar("T")
 
 
-DELAYED_TWIN = "graph"
-"""The twin whose steps are delayed: its own times estimate them first."""
-
-
 class HostTimes:
-    """The latest host time of a step of each phase and shape, per twin; `measure=False` times
-    nothing (every estimate is then 0). `shape(batch)` says which steps take the same path (the
-    capture size a batch pads to); by default every step of a phase does."""
+    """The latest host time of a step of each phase, per twin; `measure=False` times nothing
+    (every estimate is then 0)."""
 
-    def __init__(
-        self, measure: bool = True, shape: Callable[[Batch], Hashable] = lambda batch: None
-    ) -> None:
+    def __init__(self, measure: bool = True) -> None:
         self.measure = measure
-        self.shape = shape
-        self._seconds: dict[tuple[str, str, Hashable], float] = {}
+        self._seconds: dict[tuple[str, str], float] = {}
 
     def timed(self, twin: str, batch: Batch, run: Callable[[], T]) -> T:
-        """`run()`, its host time noted as `twin`'s for a batch of `batch`'s phase and shape."""
+        """`run()`, its host time noted as `twin`'s for a batch of `batch`'s phase."""
         if not self.measure:
             return run()
         start = time.perf_counter()
         try:
             return run()
         finally:
-            key = (twin, batch.phase, self.shape(batch))
-            self._seconds[key] = time.perf_counter() - start
+            self._seconds[(twin, batch.phase)] = time.perf_counter() - start
 
     def estimate(self, batch: Batch) -> float:
-        """The host seconds the delayed twin's step of `batch` takes: its latest of the same phase
-        and shape, else the slowest twin's latest of the phase (0: none seen yet)."""
-        own = self._seconds.get((DELAYED_TWIN, batch.phase, self.shape(batch)))
-        if own is not None:
-            return own
+        """The host seconds a step of `batch` takes, as the twins last took for its phase (0: none
+        seen yet)."""
         return max(
-            (seconds for (_, phase, _), seconds in self._seconds.items() if phase == batch.phase),
+            (seconds for (_, phase), seconds in self._seconds.items() if phase == batch.phase),
             default=0.0,
         )
 

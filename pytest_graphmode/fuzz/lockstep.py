@@ -169,10 +169,7 @@ class Lockstep:
         self._history: list[Event] = []  # the events of the examples run before this one
         self._saved: list[dict[str, torch.Tensor]] = []
         # Measured on cuda only, the one backend whose delays it sizes.
-        self.host_times = HostTimes(
-            measure=self.backend.name == "cuda",
-            shape=lambda batch: bucket_for(self.spec, batch.num_tokens),
-        )
+        self.host_times = HostTimes(measure=self.backend.name == "cuda")
         try:
             self.graph, self.eager = self._make_pair()
             self.clean = self._make("graph")

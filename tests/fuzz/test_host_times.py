@@ -26,25 +26,15 @@ def _noted(times: HostTimes, twin: str, batch: Batch, seconds: float) -> None:
     times.timed(twin, batch, lambda: time.sleep(seconds))
 
 
-def test_before_the_graph_twin_ran_one_a_step_is_estimated_from_the_slowest_twin_of_its_phase():
+def test_a_step_is_estimated_from_the_slowest_twin_latest_step_of_its_phase():
     times = HostTimes()
     _noted(times, "eager", PREFILL, 0.02)
-    _noted(times, "clean", PREFILL, 0.0)
-    _noted(times, "eager", DECODE, 0.0)
+    _noted(times, "graph", PREFILL, 0.0)
+    _noted(times, "graph", DECODE, 0.0)
     assert 0.02 <= times.estimate(PREFILL) < 0.04
     assert times.estimate(DECODE) < 0.01
     _noted(times, "eager", PREFILL, 0.0)  # the latest replaces the one before
     assert times.estimate(PREFILL) < 0.01
-
-
-def test_the_graph_twins_own_latest_step_of_the_phase_and_shape_estimates_its_next():
-    # A replay's host time, not the eager reference's forward: the delayed twin is the graph's.
-    times = HostTimes(shape=lambda batch: batch.num_tokens)
-    _noted(times, "eager", DECODE, 0.02)
-    _noted(times, "graph", DECODE, 0.0)
-    assert times.estimate(DECODE) < 0.01
-    wider = Batch(requests=(*DECODE.requests, Request(1, (4,), 2, (2,))))
-    assert times.estimate(wider) >= 0.02  # another shape: the graph twin's path may differ
 
 
 def test_a_step_that_raises_is_timed_too():
