@@ -158,22 +158,21 @@ def unwritten_slots(
     `state` (a host snapshot taken after the step): no write reached them. Empty when `state` has
     no such tensor. One tensor still marked is not enough: state the runner writes less often
     than once a token (a scale per block, say) may keep the mark legitimately."""
-    tensors = _floating_slot_major([state], spec)
+    tensors = [t for t in state.values() if t.is_floating_point() and slot_major(t, spec)]
     if not tensors or not slots:
         return []
     index = torch.tensor(slots)
     still = torch.ones(len(slots), dtype=torch.bool)
-    for bits, mark in tensors:
-        rows = bits.index_select(0, index.to(bits.device)).reshape(len(slots), -1)
-        still &= (rows == mark).all(dim=1).cpu()
+    for tensor in tensors:
+        still &= marked_rows(tensor, index.to(tensor.device)).cpu()
     return [slot for slot, marked in zip(slots, still.tolist(), strict=True) if marked]
 
 
-def marked_rows(tensor: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
-    """Which of `slots` hold the mark in every element of `tensor`, a floating slot-major tensor
-    (a host snapshot taken after a step), as a bool tensor over `slots`."""
+def marked_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Which slots of `index` (on `tensor`'s device) hold the mark in every element of `tensor`,
+    a floating slot-major tensor, as a bool tensor over `index`."""
     bits = tensor.detach().view(_BITS[tensor.element_size()])
-    rows = bits[list(slots)].reshape(len(slots), -1)
+    rows = bits.index_select(0, index).reshape(len(index), -1)
     return (rows == _mark_bits(tensor.dtype)).all(dim=1)
 
 

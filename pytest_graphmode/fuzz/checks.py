@@ -223,7 +223,8 @@ def padding_inert(
             continue
         rows = row_mask(same_bits(actual[slots], expected[slots]))
         if not bool(rows.all()) and eager_after is not None and key in eager_after:
-            rows |= marked_rows(actual, slots) & marked_rows(eager_after[key], slots)
+            index = torch.tensor(slots)
+            rows |= marked_rows(actual, index) & marked_rows(eager_after[key], index)
         if not bool(rows.all()):
             slot = slots[int((~rows).nonzero()[0])]
             return [

@@ -79,11 +79,17 @@ def row_tolerance(reference: torch.Tensor, floor: torch.dtype | None = None) -> 
     """Per-row absolute tolerance of `[rows, vocab]` logits: rtol of the precision they were
     computed in (`computed_in`, or `floor`, the twin's `state_precision`, where that is coarser)
     times the row's scale."""
-    scale = reference.detach().abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=-1).clamp_min(1.0)
     relative = rtol(computed_in(reference))
     if floor is not None:
         relative = max(relative, rtol(floor))
-    return relative * scale.float()
+    return relative * _scale(reference)
+
+
+def _scale(values: torch.Tensor) -> torch.Tensor:
+    """Per leading index (a row of logits, a slot of state): the largest finite magnitude, at
+    least 1, in float32."""
+    flat = values.detach().flatten(1) if values.dim() > 1 else values.detach()[:, None]
+    return flat.abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=1).clamp_min(1.0).float()
 
 
 def logit_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -124,10 +130,8 @@ def within_slots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if not a.is_floating_point():
         return a == b
     a32, b32 = a.float(), b.float()
-    scale = b32.abs().nan_to_num(0.0, 0.0, 0.0).reshape(b32.shape[0], -1).amax(dim=1)
-    tol = rtol(a.dtype) * scale.clamp_min(1.0).reshape(-1, *([1] * (b32.dim() - 1)))
-    close = (a32 - b32).abs() <= tol
-    return close | (a32.isnan() & b32.isnan()) | (a32 == b32)
+    tol = rtol(a.dtype) * _scale(b32).reshape(-1, *([1] * (b32.dim() - 1)))
+    return ((a32 - b32).abs() <= tol) | same_bits(a32, b32)
 
 
 def within(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -136,5 +140,4 @@ def within(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a == b
     tol = rtol(a.dtype)
     a32, b32 = a.float(), b.float()
-    close = (a32 - b32).abs() <= tol * (1.0 + b32.abs())
-    return close | (a32.isnan() & b32.isnan()) | (a32 == b32)
+    return ((a32 - b32).abs() <= tol * (1.0 + b32.abs())) | same_bits(a32, b32)

@@ -6,8 +6,6 @@ row merges the target's final hidden state there with the token the target just 
 over `[rms(embed(token)), rms(hidden)]`, then one residual SiLU MLP and the target's shared LM
 head; the row's argmax is the request's proposal. Its state is so written once a request, not
 once a token, which the contract allows (the other slots keep the harness's mark).
-`per_token=True` runs one row per target token instead, as EAGLE's draft extend does (the row of
-token i takes the token after i).
 
 Graph mode captures, per capture size (in tokens) and into one shared pool, two graphs:
 - the target decode graph: forward, sampling, and (inside the graph) a copy of the hidden states
@@ -103,13 +101,12 @@ class TargetOut:
     logits: Tensor  # [R, vocab]
     tokens: Tensor  # [R]
     hidden: Tensor  # [R, hidden] final (normed) hidden state at each request's last token
-    hidden_all: Tensor  # [T, hidden] the same at every token (== hidden when T == R)
 
 
 @dataclass
 class DraftIn:
-    hidden: Tensor  # [D, hidden] the target's hidden states, one draft row per token
-    next_tokens: Tensor  # [D] the token after each row's: the next query token or the sampled one
+    hidden: Tensor  # [D, hidden] the target's hidden states, one draft row per request
+    next_tokens: Tensor  # [D] the token each request's target step sampled
     slots: Tensor  # [D] the slot of each row's token (where the draft publishes)
 
 
@@ -151,11 +148,10 @@ class Target:
         v_cache.index_copy_(0, inp.slots, v.view(-1, HEADS, HEAD_DIM))
         x = x + self.attend(q, k_cache, v_cache, inp) @ w["o"]
         x = x + torch.nn.functional.silu(_rms(x) @ w["up"]) @ w["down"]
-        hidden_all = _rms(x)
-        hidden = hidden_all if inp.last is None else hidden_all[inp.last]
+        hidden = _rms(x if inp.last is None else x[inp.last])
         logits = hidden @ w["head"]
         positions = inp.positions if inp.last is None else inp.positions[inp.last]
-        return TargetOut(logits, sample(logits, positions, inp), hidden, hidden_all)
+        return TargetOut(logits, sample(logits, positions, inp), hidden)
 
     @staticmethod
     def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, inp: TargetIn) -> Tensor:
@@ -200,15 +196,12 @@ class DraftHead:
 
 
 class DraftRunner:
-    def __init__(
-        self, mode: str, *, seed: int, backend: str, buggy: bool = False, per_token: bool = False
-    ) -> None:
+    def __init__(self, mode: str, *, seed: int, backend: str, buggy: bool = False) -> None:
         if mode not in ("graph", "eager"):
             raise ValueError(f"mode {mode!r} must be 'graph' or 'eager'")
         self.spec = SPEC
         self.mode = mode
         self.buggy = buggy
-        self.per_token = per_token  # False: one draft row per request (last query token only)
         self.be: Any = get_backend(backend)
         dev = self.be.device
         self.target, self.draft = Target(dev), DraftHead(dev)
@@ -308,15 +301,10 @@ class DraftRunner:
             buf[n:size].fill_(_PAD[name])
         # `hidden` and `next` are written by the target graph itself, every row
 
-    def draft_rows(self, out: TargetOut, batch: Batch, inp: TargetIn) -> DraftIn:
-        """The draft's rows after an eager target step (EAGLE's shifted tokens)."""
-        if not self.per_token:
-            slots = [_slot(r, r.seq_len - 1) for r in batch.requests]
-            return DraftIn(out.hidden, out.tokens, torch.tensor(slots, device=self.be.device))
-        shifted = [t for r in batch.requests for t in (*r.tokens[1:], 0)]
-        next_tokens = torch.tensor(shifted, device=self.be.device)
-        next_tokens.index_copy_(0, inp.last, out.tokens)  # a request's last row: its new token
-        return DraftIn(out.hidden_all, next_tokens, inp.slots)
+    def draft_rows(self, out: TargetOut, batch: Batch) -> DraftIn:
+        """The draft's rows after an eager target step: one per request, at its last token."""
+        slots = [_slot(r, r.seq_len - 1) for r in batch.requests]
+        return DraftIn(out.hidden, out.tokens, torch.tensor(slots, device=self.be.device))
 
     def stage_draft(self, rows: DraftIn, size: int) -> None:
         """After an eager target step: the draft's rows into the buffers its graph reads."""
@@ -355,7 +343,7 @@ class DraftRunner:
             )
         inp = _eager_inputs(batch, dev)
         out = self.target.forward(inp, self.k, self.v)
-        rows = self.draft_rows(out, batch, inp)
+        rows = self.draft_rows(out, batch)
         dsize = next((s for s in SPEC.capture_sizes if s >= rows.slots.shape[0]), None)
         if self.mode == "graph" and dsize is not None:
             self.stage_draft(rows, dsize)
