@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from pytest_graphmode.contract import Batch, TargetSpec, request_slots, slot_major
-from pytest_graphmode.fuzz.tolerance import same_bits, within, within_slots
+from pytest_graphmode.fuzz.tolerance import same_bits, state_precision, within, within_slots
 from pytest_graphmode.fuzz.violation import Violation, differences
 from pytest_graphmode.strategies.idle_blocks import (
     slots_to_write,
@@ -153,8 +153,9 @@ def states_match(
     batch: Batch, graph_after: State, eager_after: State, spec: TargetSpec
 ) -> list[Violation]:
     """The twins' states agree after the step (exact for integers; floating slot-major state
-    slot by slot at its dtype's tolerance times the slot's scale, other floating state element by
-    element). The null block is padding's sink and is not compared."""
+    slot by slot at its dtype's tolerance times the slot's scale, or beside coarser state at
+    that state's tolerance (`tolerance.within_slots`); other floating state element by element).
+    The null block is padding's sink and is not compared."""
     name = STATES_MATCH
     if set(graph_after) != set(eager_after):
         return [
@@ -166,6 +167,7 @@ def states_match(
             )
         ]
     null = spec.null_block * spec.block_size
+    floor = state_precision(eager_after, spec)
     for key, expected in eager_after.items():
         actual = graph_after[key].detach().cpu()
         if actual.shape != expected.shape or actual.dtype != expected.dtype:
@@ -178,7 +180,7 @@ def states_match(
                 )
             ]
         if slot_major(expected, spec):
-            rows = row_mask(within_slots(actual, expected))
+            rows = row_mask(within_slots(actual, expected, floor))
             rows[null : null + spec.block_size] = True
             if not bool(rows.all()):
                 slot = int((~rows).nonzero()[0])
@@ -191,7 +193,9 @@ def states_match(
                         **differences(
                             expected[slot],
                             actual[slot],
-                            within_slots(actual[slot : slot + 1], expected[slot : slot + 1])[0],
+                            within_slots(actual[slot : slot + 1], expected[slot : slot + 1], floor)[
+                                0
+                            ],
                         ),
                     )
                 ]

@@ -74,18 +74,76 @@ def test_float32_logits_of_a_model_that_keeps_bfloat16_state_get_its_tolerance()
     assert v.row == 1
 
 
-def test_state_precision_is_the_coarsest_floating_slot_major_state_float8_read_as_bfloat16():
+def test_state_precision_is_the_coarsest_floating_slot_major_state():
     slots = SPEC.num_slots
     state = {
-        "kv": torch.zeros(slots, 3),
-        "scales": torch.zeros(slots, dtype=torch.float8_e4m3fn),
+        "kv": torch.zeros(slots, 3, dtype=torch.bfloat16),
+        "codes": torch.zeros(slots, dtype=torch.float8_e4m3fn),
         "ids": torch.zeros(slots, dtype=torch.int64),
-        "weights": torch.zeros(slots + 1, 2, dtype=torch.float16),  # not slot-major
+        "weights": torch.zeros(slots + 1, 2, dtype=torch.float8_e5m2),  # not slot-major
     }
+    assert tolerance.state_precision(state, SPEC) == torch.float8_e4m3fn
+    del state["codes"]
     assert tolerance.state_precision(state, SPEC) == torch.bfloat16
-    del state["scales"]
-    assert tolerance.state_precision(state, SPEC) == torch.float32
     assert tolerance.state_precision({"ids": state["ids"]}, SPEC) is None
+
+
+@pytest.mark.parametrize(
+    ("dtype", "relative"),
+    [
+        (torch.float8_e4m3fn, 2**-4),
+        (torch.float8_e4m3fnuz, 2**-4),
+        (torch.float8_e5m2, 2**-3),
+        (torch.bfloat16, 4e-2),
+        (torch.float16, 2e-2),
+        (torch.float32, 1e-4),
+    ],
+)
+def test_logits_tolerance_by_the_precision_they_are_computed_in_or_over(dtype, relative):
+    assert tolerance.logits_rtol(dtype) == relative
+
+
+def test_float32_logits_of_a_model_that_keeps_a_float8_cache_get_half_a_unit():
+    # Two paths that quantize a key by other arithmetic land on neighbouring float8 codes: a
+    # logit moves by a few hundredths of the row's scale.
+    off = [[4.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.15, 0.0]]  # 0.05 of the row's scale
+    graph, eager = Outcome(result(off)), Outcome(result(GOOD))
+    assert checks.replay_matches_eager(BATCH, graph, eager, SPEC, torch.float8_e4m3fn) == []
+    [v] = checks.replay_matches_eager(BATCH, graph, eager, SPEC, torch.float32)
+    assert v.row == 1
+    # e5m2 has one mantissa bit fewer than e4m3: half its unit is 0.125.
+    off = [[4.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.3, 0.0]]
+    graph = Outcome(result(off))
+    assert checks.replay_matches_eager(BATCH, graph, eager, SPEC, torch.float8_e5m2) == []
+    [v] = checks.replay_matches_eager(BATCH, graph, eager, SPEC, torch.bfloat16)
+    assert v.row == 1
+    far = [[4.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.2, 0.0]]  # beyond half of e4m3's unit of 3
+    [v] = checks.replay_matches_eager(BATCH, Outcome(result(far)), eager, SPEC, torch.float8_e4m3fn)
+    assert v.row == 1
+
+
+def test_float32_scales_beside_a_float8_cache_are_judged_relative_to_themselves():
+    # A scale from the amax of bfloat16 keys: 2% off on another path, far below 1.
+    slots = SPEC.num_slots
+    codes = torch.zeros(slots, 3).to(torch.float8_e4m3fn)
+    scales = torch.full((slots,), 0.0047)
+    near, far = scales.clone(), scales.clone()
+    near[6], far[6] = 0.00455, 0.003  # a rounding; another token's scale
+    eager = {"codes": codes, "scales": scales}
+    assert kv_checks.states_match(BATCH, {"codes": codes, "scales": near}, eager, SPEC) == []
+    [v] = kv_checks.states_match(BATCH, {"codes": codes, "scales": far}, eager, SPEC)
+    assert v.slot == 6
+    # Without coarser state beside them, float32 scales keep float32's tolerance.
+    [v] = kv_checks.states_match(BATCH, {"scales": near}, {"scales": scales}, SPEC)
+    assert v.slot == 6
+
+
+def test_bfloat16_state_keeps_its_own_tolerance_beside_nothing_coarser():
+    kv = torch.ones(SPEC.num_slots, 3, dtype=torch.bfloat16) * 2
+    off = kv.clone()
+    off[6, 0] = 2.0 + 0.0625  # 3% of the slot's scale: beyond 2e-2, within logits' 4e-2
+    [v] = kv_checks.states_match(BATCH, {"kv": off}, {"kv": kv}, SPEC)
+    assert v.slot == 6
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
