@@ -14,13 +14,14 @@ the precision they show (`computed_in`) and that of the twin's floating slot-maj
 (`state_precision`), and float32 state kept beside such state (a float8 cache's scales, taken
 from the amax of bfloat16 keys) at that tolerance relative to each slot's own magnitude.
 
-Logits sit at the end of every layer, so in bfloat16 they get twice a slot's tolerance: a
-correct hybrid model whose graph steps its recurrent state fused and whose eager path scans it in
-chunks differs by up to 2.2% of a row's scale. A float8 cache puts an element on the
-neighbouring code now and then where two paths quantize by other arithmetic (one fused amax
-against a per-head loop, a scale applied before or after the matmul); logits over it move by up
-to 0.27 of a unit in the last place (3.3% of a row's scale for `e4m3`), and are judged at half a
-unit, the rounding of storing a value in the type at all.
+bfloat16 holds 8 significant bits, and a correct model's graph path that rounds otherwise than
+its eager path (a fused recurrent step against a chunked scan, split-KV attention against one
+pass) moves its logits by up to 2.2% of a row's scale and a deeper layer's values by up to 2.5%
+of a slot's: both are judged at 4e-2. A float8 cache puts an element on the neighbouring code now
+and then where two paths quantize by other arithmetic (one fused amax against a per-head loop, a
+scale applied before or after the matmul); logits over it move by up to 0.27 of a unit in the
+last place (3.3% of a row's scale for `e4m3`), and are judged at half a unit, the rounding of
+storing a value in the type at all.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ _RTOL = {
     torch.float64: 1e-7,
     torch.float32: 1e-4,
     torch.float16: 2e-2,
-    torch.bfloat16: 2e-2,
+    torch.bfloat16: 4e-2,
 }
 
 SAMPLED_AGREEMENT = 1e-6
@@ -57,16 +58,10 @@ def _is_float8(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and dtype.itemsize == 1
 
 
-# The relative tolerance of logits computed in a type, where it differs from a slot's.
-_LOGITS_RTOL = {torch.bfloat16: 4e-2}
-
-
 def logits_rtol(dtype: torch.dtype) -> float:
     """The relative tolerance of logits computed in `dtype`, or of any value computed over state
     kept in it: half a unit in the last place for a float8 type (2^-4 for `e4m3`)."""
-    if _is_float8(dtype):
-        return rtol(dtype) / 2
-    return _LOGITS_RTOL.get(dtype, rtol(dtype))
+    return rtol(dtype) / 2 if _is_float8(dtype) else rtol(dtype)
 
 
 def computed_in(logits: torch.Tensor) -> torch.dtype:

@@ -130,6 +130,10 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # padding rows given free state-pool slots, parked requests' among them; the graph steps
     # the recurrence fused, the eager path scans it in chunks (bfloat16 logits' tolerance)
     "hybrid_ssm_scan_paths": "states_match",
+    # the split-KV grid sized from the capture batch's longest context, baked in (bfloat16)
+    "bf16_split_kv_decode": "replay_matches_eager",
+    # a fused add-norm's persistent residual zeroed once, not in the graph (float16)
+    "fp16_fused_norm_residual": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
