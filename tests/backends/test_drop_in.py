@@ -127,6 +127,7 @@ def test_torch_cuda_is_restored_exactly_after_a_sim_campaign() -> None:
     load, set_default_device = torch.load, torch.set_default_device
     device, autocasts = torch.device, (torch.autocast, torch.amp.autocast, torch.cuda.amp.autocast)
     autocast_enabled = torch.is_autocast_enabled
+    compile_ = torch.compile
     alias_check = torch._library.utils._c_check_aliasing_constraint
     parameter_new = torch.nn.Parameter.__dict__["__new__"]
     submodules = {m: dict(vars(m)) for m in _SUBMODULES}
@@ -144,6 +145,7 @@ def test_torch_cuda_is_restored_exactly_after_a_sim_campaign() -> None:
     assert torch.get_device_module is device_module
     assert torch.load is load and torch.set_default_device is set_default_device
     assert torch.device is device and torch.is_autocast_enabled is autocast_enabled
+    assert torch.compile is compile_
     assert (torch.autocast, torch.amp.autocast, torch.cuda.amp.autocast) == autocasts
     assert torch._library.utils._c_check_aliasing_constraint is alias_check
     assert torch.nn.Parameter.__dict__["__new__"] is parameter_new
@@ -409,3 +411,48 @@ def test_a_device_generators_seed_and_offset_are_unsigned_64_bit_numbers() -> No
             generator.set_offset(2**64)
         with pytest.raises(ValueError, match="Overflow"):
             generator.manual_seed(2**64)
+
+
+def test_compiled_code_runs_its_python_on_the_sim_and_is_captured_like_it() -> None:
+    # Dynamo skips every frame under the sim's modes: fullgraph=True no longer refuses that.
+    with drop_in():
+        weight = torch.randn(8, 8, device="cuda")
+
+        def layer(x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x @ weight) + 1
+
+        compiled = torch.compile(layer, fullgraph=True)
+        static = torch.zeros(4, 8, device="cuda")
+        compiled(static)  # warm-up outside the capture, as on a GPU
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = compiled(static)
+        x = torch.randn(4, 8, device="cuda")
+        static.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), layer(x).cpu())
+        module = torch.nn.Linear(8, 8).cuda()
+        module.compile(fullgraph=True, mode="max-autotune-no-cudagraphs")
+        assert torch.equal(
+            module(x).cpu(), torch.nn.functional.linear(x, *module.parameters()).cpu()
+        )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        ({"mode": "reduce-overhead"}, "mode='reduce-overhead' (CUDAGraph Trees)"),
+        ({"mode": "max-autotune"}, "mode='max-autotune' (CUDAGraph Trees)"),
+        ({"backend": "cudagraphs"}, "backend='cudagraphs'"),
+        ({"options": {"triton.cudagraphs": True}}, "'triton.cudagraphs': True"),
+        ({"backend": lambda gm, inputs: gm}, "a backend of the runner's own"),
+    ],
+)
+def test_a_compile_whose_cuda_graphs_the_sim_would_never_build_is_refused_by_name(
+    arguments: dict[str, object], named: str
+) -> None:
+    # Before, such a runner ran eagerly on sim while it claimed graph mode.
+    with drop_in(), pytest.raises(SimUnsupportedError, match=r"torch\.compile with") as refused:
+        torch.compile(torch.nn.Linear(2, 2).cuda(), **arguments)  # type: ignore[call-overload]
+    assert named in str(refused.value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tests.conformance import (
     cases_async,
     cases_capture,
+    cases_compile,
     cases_custom_ops,
     cases_frees,
     cases_graph,
@@ -36,6 +37,7 @@ MODULES = (
     cases_threads,
     cases_inference,
     cases_custom_ops,
+    cases_compile,
 )
 
 

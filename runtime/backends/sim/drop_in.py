@@ -6,6 +6,8 @@ capture, `Stream` / `Event` / `stream` / `current_stream` / `default_stream` / `
 the sim's streams, `is_available()` is True with one device, `cuda:0`. Device placement
 (`device="cuda"`, `.to`, `.cuda()`, `pin_memory=True`, `.pin_memory()`, `.is_pinned()`) is the sim
 device's, active with the backend, and `torch.Generator(device="cuda")` makes a `SimGenerator`.
+`torch.compile` returns what it is given, whose Python the sim runs, and refuses a compile that
+would capture CUDA graphs itself (`compile.py`).
 torch's device-generic entry points answer for the sim too: `torch.accelerator.is_available()` is
 True with one device, `cuda`, and `torch.get_device_module()` is `torch.cuda`. On exit every
 rebound name is put back as it was (the very same objects), so outside the block torch is exactly
@@ -32,6 +34,7 @@ from pytest_graphmode.runtime.backends.sim.autocast import (
     autocast_query,
 )
 from pytest_graphmode.runtime.backends.sim.backend import SimBackend, SimGraph, current_backend
+from pytest_graphmode.runtime.backends.sim.compile import sim_compile
 from pytest_graphmode.runtime.backends.sim.device import is_index, is_sim_device
 from pytest_graphmode.runtime.backends.sim.stand_ins import (
     SIM_MEMORY,
@@ -322,6 +325,8 @@ def _device_generic_surface(surface: dict[str, Any]) -> list[tuple[Any, str, Any
         (torch.amp, "autocast", SimAutocast),
         (torch.cuda.amp, "autocast", SimCudaAutocast),
         (torch, "is_autocast_enabled", autocast_query(torch.is_autocast_enabled)),
+        # Dynamo skips every frame under the sim's modes (compile.py says what that hid).
+        (torch, "compile", sim_compile(torch.compile)),
         # Only the names this torch has: a name the sim added would be one a GPU host lacks.
         *(
             (torch.accelerator, name, value)
