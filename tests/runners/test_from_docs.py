@@ -134,6 +134,8 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     "bf16_split_kv_decode": "replay_matches_eager",
     # a fused add-norm's persistent residual zeroed once, not in the graph (float16)
     "fp16_fused_norm_residual": "replay_matches_eager",
+    # a compiled forward captured with the dummy batch's block count, a specialized int
+    "compiled_model_graphs": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not

@@ -29,6 +29,12 @@ PLAIN_BACKENDS = frozenset({"inductor", "eager", "aot_eager", "aot_eager_decomp_
 CUDA_GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
 
 
+_WHY = (
+    "the sim runs a compiled function's Python, and the CUDA graphs this compile captures itself "
+    "would never be built (capture with torch.cuda.graph around the compiled code instead)"
+)
+
+
 def graphs_built_by(backend: Any, mode: str | None, options: Mapping[str, Any] | None) -> str:
     """What CUDA graphs a `torch.compile` with these arguments builds itself, described for the
     message that refuses it; "" when it builds none."""
@@ -76,7 +82,7 @@ def sim_compile(host_compile: Callable[..., Any]) -> Callable[..., Any]:
             return model
         graphs = graphs_built_by(backend, mode, options)
         if graphs:
-            raise SimUnsupportedError(f"torch.compile with {graphs}")
+            raise SimUnsupportedError(f"torch.compile with {graphs}", _WHY)
         return model
 
     compile.__doc__ = host_compile.__doc__

@@ -18,14 +18,19 @@ if TYPE_CHECKING:
     from pytest_graphmode.runtime.backends.sim.ops import OpFacts
 
 
-class SimUnsupportedError(RuntimeError):
-    """A call the sim cannot run; the message names it."""
+# Why most calls the sim refuses cannot run on it.
+NOT_PURE_PYTORCH = (
+    "the sim runs pure-PyTorch runners (ATen operators with a CPU kernel), not custom CUDA "
+    "extensions, Triton kernels or the CUDA driver"
+)
 
-    def __init__(self, what: str) -> None:
+
+class SimUnsupportedError(RuntimeError):
+    """A call the sim cannot run; the message names it, and why (`why`)."""
+
+    def __init__(self, what: str, why: str = NOT_PURE_PYTORCH) -> None:
         super().__init__(
-            f"{what} cannot run on the sim: the sim runs pure-PyTorch runners (ATen operators with "
-            "a CPU kernel), not custom CUDA extensions, Triton kernels or the CUDA driver; run "
-            "this on a GPU (--graphmode-backend=cuda)"
+            f"{what} cannot run on the sim: {why}; run this on a GPU (--graphmode-backend=cuda)"
         )
 
 
