@@ -36,7 +36,6 @@ from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, GraphTarget, StepResult, TargetFactory, TargetSpec
 from pytest_graphmode.failure import MADE_TWINS, Failure, GraphmodeFailure
 from pytest_graphmode.fuzz import sampling_check
-from pytest_graphmode.fuzz.aligned_states import align_states
 from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.construction import (
     construction_raised,
@@ -356,7 +355,6 @@ class Lockstep:
             first = steps[step]
             if step + 1 < len(steps) and steps[step + 1].stress.pipelined:
                 kept = self._run_pair(step, first, steps[step + 1], previous, kept, events)
-                align_states(self.eager, (self.graph, self.clean), self.spec)
                 previous = steps[step + 1].batch
                 step += 2
                 continue
@@ -365,7 +363,6 @@ class Lockstep:
             held.clear()  # churned tensors live exactly across the step
             if violations:
                 self._fail(violations[0], step, first.batch, events[: first.index + 1])
-            align_states(self.eager, (self.graph, self.clean), self.spec)
             previous = first.batch
             step += 1
 
