@@ -8,7 +8,13 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from pytest_graphmode.contract import Batch, TargetSpec, request_slots, slot_major
-from pytest_graphmode.fuzz.tolerance import same_bits, state_precision, within, within_slots
+from pytest_graphmode.fuzz.tolerance import (
+    coarser_precision,
+    same_bits,
+    state_precision,
+    within,
+    within_slots,
+)
 from pytest_graphmode.fuzz.violation import Violation, differences
 from pytest_graphmode.strategies.idle_blocks import (
     slots_to_write,
@@ -150,12 +156,17 @@ def unlanded(
 
 
 def states_match(
-    batch: Batch, graph_after: State, eager_after: State, spec: TargetSpec
+    batch: Batch,
+    graph_after: State,
+    eager_after: State,
+    spec: TargetSpec,
+    computed: torch.dtype | None = None,
 ) -> list[Violation]:
-    """The twins' states agree after the step (exact for integers; floating slot-major state
-    slot by slot at its dtype's tolerance times the slot's scale, or beside coarser state at
-    that state's tolerance (`tolerance.within_slots`); other floating state element by element).
-    The null block is padding's sink and is not compared."""
+    """The twins' states agree after the step (exact for integers but a quantized cache's 8-bit
+    codes; floating slot-major state slot by slot at its dtype's tolerance times the slot's
+    scale, or where the runner computes in a coarser precision (`computed`: its logits', else
+    its state's) at that precision's tolerance (`tolerance.within_slots`); other floating state
+    element by element). The null block is padding's sink and is not compared."""
     name = STATES_MATCH
     if set(graph_after) != set(eager_after):
         return [
@@ -167,7 +178,7 @@ def states_match(
             )
         ]
     null = spec.null_block * spec.block_size
-    floor = state_precision(eager_after, spec)
+    floor = coarser_precision(state_precision(eager_after, spec), computed)
     for key, expected in eager_after.items():
         actual = graph_after[key].detach().cpu()
         if actual.shape != expected.shape or actual.dtype != expected.dtype:

@@ -26,7 +26,7 @@ from pytest_graphmode.fuzz import (
 )
 from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.kv_checks import State
-from pytest_graphmode.fuzz.tolerance import state_precision
+from pytest_graphmode.fuzz.tolerance import computed_in, state_precision
 from pytest_graphmode.fuzz.violation import Violation
 from pytest_graphmode.runtime.backends.race import Race
 
@@ -92,6 +92,13 @@ class Evidence:
         """The finest precision the step's logits can have: that of the twin's floating
         slot-major state (`tolerance.state_precision`)."""
         return state_precision(self.eager_before, self.spec)
+
+    @property
+    def computed_in(self) -> torch.dtype | None:
+        """The precision the eager twin's logits show (`tolerance.computed_in`), None where it
+        raised."""
+        result = self.eager.result
+        return None if result is None else computed_in(result.logits.detach().cpu())
 
 
 @dataclass(frozen=True)
@@ -223,7 +230,9 @@ REGISTRY: tuple[Check, ...] = (
     ),
     Check(
         kv_checks.STATES_MATCH,
-        lambda e: kv_checks.states_match(e.batch, e.graph_after, e.eager_after, e.spec),
+        lambda e: kv_checks.states_match(
+            e.batch, e.graph_after, e.eager_after, e.spec, e.computed_in
+        ),
         applies=lambda e: e.states_read and e.pipelined != "first",
     ),
     # A runner that tracks no address views (`address_views()` is []) gives these nothing to

@@ -96,6 +96,20 @@ def state_precision(state: Mapping[str, torch.Tensor], spec: TargetSpec) -> torc
     return coarsest
 
 
+# Slot-major integer state of these types is a quantized cache's codes (an int8 KV cache; float8
+# codes stored through a uint8 view), not indices or counts, which are wider.
+QUANTIZED_CODES = frozenset({torch.int8, torch.uint8})
+
+
+def coarser_precision(*dtypes: torch.dtype | None) -> torch.dtype | None:
+    """The coarsest of `dtypes` as `logits_rtol` ranks them (None where all are None): the
+    precision a runner computes in, from its state's (`state_precision`) and its logits'
+    (`computed_in`): an int8 cache beside float32 scales shows none in its state, while its
+    bfloat16 model's logits show bfloat16."""
+    known = [d for d in dtypes if d is not None]
+    return max(known, key=logits_rtol) if known else None
+
+
 def row_tolerance(reference: torch.Tensor, floor: torch.dtype | None = None) -> torch.Tensor:
     """Per-row absolute tolerance of `[rows, vocab]` logits: `logits_rtol` of the precision they
     were computed in (`computed_in`), or of `floor` (the twin's `state_precision`) where that is
@@ -154,14 +168,23 @@ def within_slots(
 ) -> torch.Tensor:
     """Elementwise closeness of two slot-major tensors, each slot (the leading index) judged at
     its dtype's tolerance times its scale (its largest finite magnitude in `b`, at least 1), as
-    logits are per row; exact for integers, NaN equals NaN. Where `floor` (the twin's
-    `state_precision`) is coarser than the tensor's dtype, a slot within `logits_rtol(floor)` of
-    its own largest magnitude, however far below 1, passes too: float32 state computed from
-    coarser values (a scale from the amax of bfloat16 keys) carries their rounding."""
+    logits are per row; exact for integers but 8-bit codes, NaN equals NaN. `floor` is the
+    precision the runner computes in (`coarser_precision`): where it is coarser than the tensor's
+    dtype, a slot within `logits_rtol(floor)` of its own largest magnitude, however far below 1,
+    passes too, as float32 state computed from coarser values (a scale from the amax of bfloat16
+    keys) carries their rounding. A slot-major 8-bit integer tensor holds a quantized cache's
+    codes, `round(x / scale)`: two paths whose `x` differ by their rounding land on neighbouring
+    codes, so a code passes within one unit, or within `logits_rtol(floor)` of its slot's largest
+    code."""
+    shape = (-1, *([1] * (b.dim() - 1)))
+    if a.dtype in QUANTIZED_CODES:
+        a32, b32 = a.float(), b.float()
+        relative = logits_rtol(floor) if floor is not None else 0.0
+        units = (relative * _magnitude(b32)).clamp_min(1.0).reshape(shape)
+        return (a32 - b32).abs() <= units
     if not a.is_floating_point():
         return a == b
     a32, b32 = a.float(), b.float()
-    shape = (-1, *([1] * (b32.dim() - 1)))
     tol = rtol(a.dtype) * _scale(b32).reshape(shape)
     if floor is not None and rtol(floor) > rtol(a.dtype):
         tol = tol.maximum(logits_rtol(floor) * _magnitude(b32).reshape(shape))

@@ -517,3 +517,45 @@ def test_the_same_step_in_float32_logits_fails():
     graph = StepResult(torch.tensor([moved, row]), torch.tensor([2, 2]), "full", 2)
     [v] = checks.replay_matches_eager(BATCH, Outcome(graph), Outcome(eager), SPEC)
     assert (v.check, v.row) == ("replay_matches_eager", 0)
+
+
+def test_a_quantized_caches_codes_pass_within_one_unit_or_the_runners_precision():
+    # int8 codes round(x / scale): two paths whose x differ by rounding land on neighbours.
+    slots = SPEC.num_slots
+    codes = torch.full((slots, 3), 120, dtype=torch.int8)
+    one, five, six = codes.clone(), codes.clone(), codes.clone()
+    one[6, 0], five[6, 0], six[6, 0] = 119, 115, 114
+    assert kv_checks.states_match(BATCH, {"codes": one}, {"codes": codes}, SPEC) == []
+    [v] = kv_checks.states_match(BATCH, {"codes": five}, {"codes": codes}, SPEC)
+    assert v.slot == 6
+    # A bfloat16 model: 4e-2 of the slot's largest code, 120, is 4.8 codes.
+    bf16 = torch.bfloat16
+    assert kv_checks.states_match(BATCH, {"codes": five}, {"codes": codes}, SPEC, bf16) != []
+    four = codes.clone()
+    four[6, 0] = 116
+    assert kv_checks.states_match(BATCH, {"codes": four}, {"codes": codes}, SPEC, bf16) == []
+    [v] = kv_checks.states_match(BATCH, {"codes": six}, {"codes": codes}, SPEC, bf16)
+    assert v.slot == 6
+
+
+def test_wider_integer_state_is_still_compared_exactly():
+    ids = torch.arange(SPEC.num_slots)
+    off = ids.clone()
+    off[6] += 1
+    [v] = kv_checks.states_match(BATCH, {"ids": off}, {"ids": ids}, SPEC, torch.bfloat16)
+    assert v.slot == 6
+
+
+def test_float32_scales_beside_int8_codes_get_the_precision_the_logits_show():
+    # The codes show no floating precision; the bfloat16 model's logits do.
+    slots = SPEC.num_slots
+    scales = torch.full((slots,), 0.0352)
+    near = scales.clone()
+    near[6] = 0.03494  # 0.6% off: the amax of bfloat16 values on another path
+    eager = {"codes": torch.zeros(slots, 3, dtype=torch.int8), "scales": scales}
+    graph = {"codes": eager["codes"], "scales": near}
+    [v] = kv_checks.states_match(BATCH, graph, eager, SPEC)
+    assert v.slot == 6
+    assert kv_checks.states_match(BATCH, graph, eager, SPEC, torch.bfloat16) == []
+    assert tolerance.coarser_precision(torch.float32, torch.bfloat16, None) == torch.bfloat16
+    assert tolerance.coarser_precision(None, None) is None

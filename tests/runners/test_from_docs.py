@@ -136,6 +136,11 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     "fp16_fused_norm_residual": "replay_matches_eager",
     # a compiled forward captured with the dummy batch's block count, a specialized int
     "compiled_model_graphs": "replay_matches_eager",
+    # an int8 cache's unguarded store lets padding slot -1 wrap to the last slot (at the
+    # capture's warm-up); the correct runner's codes one unit apart between its paths
+    "int8_kv_cache": "states_match",
+    # a piecewise runner's attention metadata built once at capture, its host max_seq_len stale
+    "compiled_piecewise": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
@@ -146,6 +151,7 @@ AT_START_UP = {
     "generator_not_registered",
     "pad_slot_wraps_to_last",
     "fp8_kv_quant_paths",
+    "int8_kv_cache",
 }
 # Data-parallel runners, run on two ranks (gloo on sim): the check that catches the bug, and the
 # examples a campaign may take (seed 0 took 4 and 5).
