@@ -196,18 +196,14 @@ def states_match(
             if not bool(rows.all()):
                 slot = int((~rows).nonzero()[0])
                 where = _owner_text(slot // spec.block_size, (batch,), spec)
+                one = slice(slot, slot + 1)
+                close = within_slots(actual[one], expected[one], floor)[0]
                 return [
                     Violation(
                         name,
                         f"state {key!r} differs at slot {slot} ({where})",
                         slot=slot,
-                        **differences(
-                            expected[slot],
-                            actual[slot],
-                            within_slots(actual[slot : slot + 1], expected[slot : slot + 1], floor)[
-                                0
-                            ],
-                        ),
+                        **differences(expected[slot], actual[slot], close),
                     )
                 ]
             continue

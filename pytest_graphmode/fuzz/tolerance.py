@@ -17,11 +17,11 @@ from the amax of bfloat16 keys) at that tolerance relative to each slot's own ma
 bfloat16 holds 8 significant bits, and a correct model's graph path that rounds otherwise than
 its eager path moves its logits by up to 2.2% of a row's scale (a fused recurrent step against a
 chunked scan) and, with sharp attention, a deeper layer's values by up to 2.5% of a slot's
-(split-KV attention against one pass): both are judged at 4e-2. A float8 cache puts an element on the neighbouring code now
-and then where two paths quantize by other arithmetic (one fused amax against a per-head loop, a
-scale applied before or after the matmul); logits over it move by up to 0.27 of a unit in the
-last place (3.3% of a row's scale for `e4m3`), and are judged at half a unit, the rounding of
-storing a value in the type at all.
+(split-KV attention against one pass): both are judged at 4e-2. A float8 cache puts an element
+on the neighbouring code now and then where two paths quantize by other arithmetic (one fused
+amax against a per-head loop, a scale applied before or after the matmul); logits over it move
+by up to 0.27 of a unit in the last place (3.3% of a row's scale for `e4m3`), and are judged at
+half a unit, the rounding of storing a value in the type at all.
 """
 
 from __future__ import annotations
