@@ -57,6 +57,23 @@ def both_raised(graph_error: str, eager_error: str, when: str = "on a legal batc
     )
 
 
+# The sim's refusals of a call it cannot run (`runtime.backends.sim.limits`): a limit of the sim,
+# not a finding about the runner. Said first, so that the check's name does not read as one.
+_SIM_REFUSALS = ("SimUnsupportedError:", "SimKernelMissing:")
+
+
+def sim_refusal(*errors: str | None) -> str:
+    """A lead naming the sim's refusal that ended one of `errors` (tracebacks), or ""."""
+    for error in errors:
+        if error and any(name in _last_line(error) for name in _SIM_REFUSALS):
+            return (
+                "sim_unsupported: the sim cannot run a call this runner makes (a limit of the sim, "
+                "not a finding about the runner: fuzz this path with --graphmode-backend=cuda):\n"
+                f"{_last_line(error)}\n"
+            )
+    return ""
+
+
 def _last_line(error: str) -> str:
     lines = error.strip().splitlines()
     return lines[-1] if lines else ""
@@ -80,7 +97,7 @@ def replay_matches_eager(
             detail = f"graph_raised: the graph twin raised, the eager twin did not:\n{graph.error}"
         else:
             detail = f"eager_raised: the eager twin raised, the graph twin did not:\n{eager.error}"
-        return [Violation(name, detail)]
+        return [Violation(name, sim_refusal(graph.error, eager.error) + detail)]
     assert graph.result is not None and eager.result is not None
     for twin, result in (("graph", graph.result), ("eager", eager.result)):
         problem = _shape_problem(batch, result, spec)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from pytest_graphmode.contract import Batch, GraphTarget, TargetSpec
 from pytest_graphmode.fuzz import kv_checks, race_check
-from pytest_graphmode.fuzz.checks import REPLAY_MATCHES_EAGER, both_raised
+from pytest_graphmode.fuzz.checks import REPLAY_MATCHES_EAGER, both_raised, sim_refusal
 from pytest_graphmode.fuzz.kv_checks import State
 from pytest_graphmode.fuzz.violation import Violation
 from pytest_graphmode.runtime.backends.race import Race
@@ -84,4 +84,4 @@ def construction_raised(graph_error: str | None, eager_error: str | None) -> Vio
         )
     else:
         detail = f"eager_raised: the eager twin's construction raised, the graph twin's did not:\n{eager_error}"
-    return Violation(REPLAY_MATCHES_EAGER, detail)
+    return Violation(REPLAY_MATCHES_EAGER, sim_refusal(graph_error, eager_error) + detail)

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from pytest_graphmode.fuzz import run_campaign
+from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
 from pytest_graphmode.runtime.backends import cuda_available
 from pytest_graphmode.runtime.backends.sim import (
     SimEvent,
@@ -456,3 +456,23 @@ def test_a_compile_whose_cuda_graphs_the_sim_would_never_build_is_refused_by_nam
     with drop_in(), pytest.raises(SimUnsupportedError, match=r"torch\.compile with") as refused:
         torch.compile(torch.nn.Linear(2, 2).cuda(), **arguments)  # type: ignore[call-overload]
     assert named in str(refused.value)
+
+
+class _CompilesWithItsOwnGraphs:
+    """A runner whose graph mode hands its capture to torch.compile's CUDAGraph Trees."""
+
+    def __init__(self, mode: str, *, seed: int, backend: str) -> None:
+        self.target = make_target(mode, seed=seed, backend=backend)
+        if mode == "graph":
+            torch.compile(torch.nn.Identity(), mode="reduce-overhead")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.target, name)
+
+
+def test_a_runner_the_sim_refuses_is_reported_as_the_sims_limit_not_a_finding() -> None:
+    with pytest.raises(GraphmodeFailure) as failed:
+        run_campaign(_CompilesWithItsOwnGraphs, backend="sim", max_examples=2, max_steps=2, seed=0)
+    message = str(failed.value)
+    assert "sim_unsupported: the sim cannot run a call this runner makes" in message
+    assert "mode='reduce-overhead'" in message.split("sim_unsupported", 1)[1].splitlines()[1]
