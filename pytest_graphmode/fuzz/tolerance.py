@@ -86,10 +86,15 @@ def computed_in(logits: torch.Tensor) -> torch.dtype:
 
 def state_precision(state: Mapping[str, torch.Tensor], spec: TargetSpec) -> torch.dtype | None:
     """The coarsest precision of the floating slot-major tensors of `state` (a KV cache's dtype;
-    None without such a tensor), coarsest as `logits_rtol` ranks them."""
+    None without such a tensor), coarsest as `logits_rtol` ranks them. A type with no mantissa
+    (`float8_e8m0fnu`, the power-of-two scales of an MX cache) holds scales, not values, and is
+    left out: judged by its unit, its neighbouring power of two, the logits would pass at half
+    their scale."""
     coarsest: torch.dtype | None = None
     for tensor in state.values():
         if not tensor.is_floating_point() or not slot_major(tensor, spec):
+            continue
+        if _is_float8(tensor.dtype) and rtol(tensor.dtype) >= 1:
             continue
         if coarsest is None or logits_rtol(tensor.dtype) > logits_rtol(coarsest):
             coarsest = tensor.dtype

@@ -83,6 +83,10 @@ def test_state_precision_is_the_coarsest_floating_slot_major_state():
         "weights": torch.zeros(slots + 1, 2, dtype=torch.float8_e5m2),  # not slot-major
     }
     assert tolerance.state_precision(state, SPEC) == torch.float8_e4m3fn
+    # The power-of-two scales of an MX cache are scales, not values: no precision of the model.
+    state["mx_scales"] = torch.zeros(slots, dtype=torch.float8_e8m0fnu)
+    assert tolerance.state_precision(state, SPEC) == torch.float8_e4m3fn
+    del state["mx_scales"]
     del state["codes"]
     assert tolerance.state_precision(state, SPEC) == torch.bfloat16
     assert tolerance.state_precision({"ids": state["ids"]}, SPEC) is None
