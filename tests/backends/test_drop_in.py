@@ -476,3 +476,21 @@ def test_a_runner_the_sim_refuses_is_reported_as_the_sims_limit_not_a_finding() 
     message = str(failed.value)
     assert "sim_unsupported: the sim cannot run a call this runner makes" in message
     assert "mode='reduce-overhead'" in message.split("sim_unsupported", 1)[1].splitlines()[1]
+
+
+def test_a_mem_pool_is_the_sims_by_torch_cuda_memorys_names_too() -> None:
+    # vLLM's sleep-mode allocator spells them torch.cuda.memory.MemPool / use_mem_pool.
+    with drop_in():
+        pool = torch.cuda.memory.MemPool()
+        with torch.cuda.memory.use_mem_pool(pool):
+            cache = torch.zeros(4, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool.id):
+            doubled = cache * 2
+        cache.fill_(3.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert doubled.tolist() == [6.0] * 4
+        assert pool.snapshot() == []
+        with pytest.raises(SimUnsupportedError, match=r"MemPool\(\)\.use_count"):
+            pool.use_count()

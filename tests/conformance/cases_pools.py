@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from pytest_graphmode.runtime import backends
 from tests.conformance.case import case, value
 
 
@@ -153,3 +154,19 @@ def many_replays_run_every_time(be: Any) -> str:
     for _ in range(100):
         g.replay()
     return value(be, counter)
+
+
+@case("value=[6.0, 6.0, 6.0, 6.0], snapshot=list")
+def mem_pool_spelled_from_torch_cuda_memory_holds_a_capture(be: Any) -> str:
+    # vLLM's sleep-mode allocator spells its pool torch.cuda.memory.MemPool; on sim each case
+    # runs in the drop-in, as a runner's code does.
+    with backends.target_scope(be.name):
+        pool = torch.cuda.memory.MemPool()
+        with torch.cuda.memory.use_mem_pool(pool):
+            x = torch.zeros(4, device=be.device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool.id):
+            y = x * 2
+        x.fill_(3.0)
+        g.replay()
+        return f"{value(be, y)}, snapshot={type(pool.snapshot()).__name__}"

@@ -271,6 +271,12 @@ def _submodule_surface(surface: dict[str, Any]) -> list[tuple[Any, str, Any]]:
         (torch.cuda, "default_generators", (torch.default_generator,)),
         # torch.cuda's memory queries are torch.cuda.memory's, and may be called from there.
         *((torch.cuda.memory, name, surface[name]) for name in _MEMORY_MODULE_NAMES),
+        # vLLM's sleep-mode allocator names its pool there (only the names this torch has).
+        *(
+            (torch.cuda.memory, name, surface[name])
+            for name in ("MemPool", "use_mem_pool")
+            if hasattr(torch.cuda.memory, name)
+        ),
     ]
 
 

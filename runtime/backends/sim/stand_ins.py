@@ -219,6 +219,18 @@ class SimMemPool:
             raise SimUnsupportedError("torch.cuda.MemPool with a custom allocator")
         self.id = current_backend().graph_pool_handle()
 
+    def snapshot(self) -> list[Any]:
+        """The pool's segments: none, as `torch.cuda.memory_snapshot()` on the sim (the sim does
+        not account device memory)."""
+        return []
+
+    def __getattr__(self, name: str) -> Any:
+        # Asked only for what the class lacks. A public name is a question about the caching
+        # allocator's pool (`use_count`); a private one is Python's or a library's probe.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise SimUnsupportedError(f"torch.cuda.MemPool().{name}")
+
 
 @contextlib.contextmanager
 def use_mem_pool(pool: SimMemPool, device: Any = None) -> Iterator[None]:
