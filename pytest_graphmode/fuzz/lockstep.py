@@ -43,6 +43,7 @@ from pytest_graphmode.fuzz.construction import (
     state_not_live,
 )
 from pytest_graphmode.fuzz.host_times import HostTimes
+from pytest_graphmode.fuzz.packed_state import packed_state_as_bytes
 from pytest_graphmode.fuzz.registry import (
     REGISTRY,
     Evidence,
@@ -274,7 +275,8 @@ class Lockstep:
         raise GraphmodeFailure(failure, self.stats)
 
     def _make(self, mode: Literal["graph", "eager"]) -> GraphTarget:
-        target = self._factory(mode, seed=self.seed, backend=self._backend_name)
+        made = self._factory(mode, seed=self.seed, backend=self._backend_name)
+        target = packed_state_as_bytes(made)
         self._targets.append(target)
         return target
 
