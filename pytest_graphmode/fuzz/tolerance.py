@@ -58,6 +58,11 @@ def _is_float8(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and dtype.itemsize == 1
 
 
+def _exponent_only(dtype: torch.dtype) -> bool:
+    """A float8 type with no mantissa bits (`float8_e8m0fnu`): one unit is a factor of two."""
+    return _is_float8(dtype) and rtol(dtype) >= 1
+
+
 def logits_rtol(dtype: torch.dtype) -> float:
     """The relative tolerance of logits computed in `dtype`, or of any value computed over state
     kept in it: half a unit in the last place for a float8 type (2^-4 for `e4m3`)."""
@@ -84,23 +89,6 @@ def computed_in(logits: torch.Tensor) -> torch.dtype:
     return logits.dtype
 
 
-def state_precision(state: Mapping[str, torch.Tensor], spec: TargetSpec) -> torch.dtype | None:
-    """The coarsest precision of the floating slot-major tensors of `state` (a KV cache's dtype;
-    None without such a tensor), coarsest as `logits_rtol` ranks them. A type with no mantissa
-    (`float8_e8m0fnu`, the power-of-two scales of an MX cache) holds scales, not values, and is
-    left out: judged by its unit, its neighbouring power of two, the logits would pass at half
-    their scale."""
-    coarsest: torch.dtype | None = None
-    for tensor in state.values():
-        if not tensor.is_floating_point() or not slot_major(tensor, spec):
-            continue
-        if _is_float8(tensor.dtype) and rtol(tensor.dtype) >= 1:
-            continue
-        if coarsest is None or logits_rtol(tensor.dtype) > logits_rtol(coarsest):
-            coarsest = tensor.dtype
-    return coarsest
-
-
 # Slot-major integer state of these types is a quantized cache's codes (an int8 KV cache; float8
 # codes stored through a uint8 view), not indices or counts, which are wider.
 QUANTIZED_CODES = frozenset({torch.int8, torch.uint8})
@@ -113,6 +101,23 @@ def coarser_precision(*dtypes: torch.dtype | None) -> torch.dtype | None:
     bfloat16 model's logits show bfloat16."""
     known = [d for d in dtypes if d is not None]
     return max(known, key=logits_rtol) if known else None
+
+
+def state_precision(state: Mapping[str, torch.Tensor], spec: TargetSpec) -> torch.dtype | None:
+    """The coarsest precision of the floating slot-major tensors of `state` (a KV cache's dtype;
+    None without such a tensor), coarsest as `logits_rtol` ranks them. A type with no mantissa
+    (`float8_e8m0fnu`, the power-of-two scales of an MX cache) holds scales, not values, and is
+    left out: judged by its unit, its neighbouring power of two, the logits would pass at half
+    their scale."""
+    return coarser_precision(
+        *(
+            tensor.dtype
+            for tensor in state.values()
+            if tensor.is_floating_point()
+            and slot_major(tensor, spec)
+            and not _exponent_only(tensor.dtype)
+        )
+    )
 
 
 def row_tolerance(reference: torch.Tensor, floor: torch.dtype | None = None) -> torch.Tensor:

@@ -220,9 +220,8 @@ class SimMemPool:
         self.id = current_backend().graph_pool_handle()
 
     def snapshot(self) -> list[Any]:
-        """The pool's segments: none, as `torch.cuda.memory_snapshot()` on the sim (the sim does
-        not account device memory)."""
-        return []
+        """The pool's segments: none, as `torch.cuda.memory_snapshot()` on the sim."""
+        return memory_snapshot()
 
     def __getattr__(self, name: str) -> Any:
         # Asked only for what the class lacks. A public name is a question about the caching
