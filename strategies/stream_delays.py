@@ -202,6 +202,13 @@ class _DelayedCopies(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         return False
 
+    # While Dynamo traces, a mode it does not ignore is traced into, and the guard above is a
+    # graph break there: a runner's `torch.compile(fullgraph=True)` would fail under the delays.
+    # Ignored, the mode is off while compiling and on again while the compiled code runs.
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
     def __init__(self, sleeps: _Sleeps) -> None:
         super().__init__()
         self.sleeps = sleeps

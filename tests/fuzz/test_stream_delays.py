@@ -350,6 +350,17 @@ def test_the_delay_mode_imports_no_compiler_stack_and_is_guarded_once_one_is_imp
     assert guarded and then == [3.0] * 3
 
 
+def test_a_runner_compiled_with_fullgraph_runs_under_the_delays():
+    # The mode was traced into, and its guard against the compiler broke the graph: every
+    # `torch.compile(fullgraph=True)` runner failed on cuda under delayed copies.
+    compiled = torch.compile(lambda x: (x.sin() + 1).to(torch.float64) * 2, fullgraph=True,
+                             backend="eager")  # fmt: skip
+    x = torch.linspace(0, 1, 5)
+    with delayed_streams(5):
+        out = compiled(x)
+    assert torch.equal(out, (x.sin() + 1).to(torch.float64) * 2)
+
+
 def test_the_graph_twins_weight_update_runs_right_before_its_step_in_its_scope(monkeypatch):
     # Between the two the harness reads nothing of the twin (a snapshot waits for the device on
     # cuda): a load the step does not wait for must still be in flight when the step reads.
