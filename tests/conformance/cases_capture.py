@@ -200,3 +200,17 @@ def non_blocking_copy_pinned_to_device(be: Any) -> str:
 def non_blocking_copy_device_to_pinned(be: Any) -> str:
     pinned = be.empty_pinned(4)
     return _attempt(be, lambda x: pinned.copy_(x, non_blocking=True))
+
+
+@case("raises IndexError at the call")
+def argument_error_in_a_capture_raises_at_the_call(be: Any) -> str:
+    table = torch.zeros(6, 4, device=be.device)
+    index = torch.tensor([1, 2], device=be.device)
+    rows = torch.ones(2, 4, 1, device=be.device)  # one dimension more than the table's
+    g = be.Graph()
+    try:
+        with be.graph(g):
+            table.index_copy_(0, index, rows)
+    except IndexError as exc:
+        return f"raises {type(exc).__name__} at the call"
+    return "captured"

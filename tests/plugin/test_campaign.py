@@ -340,19 +340,21 @@ def test_the_builtin_suite_passes_from_the_repository_root_as_make_fuzz_runs_it(
 def test_a_time_budgeted_campaign_runs_on_the_workers_asked(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
+    # The helper starts a process of its own (torch imported again) and runs nothing once the
+    # budget is spent: 6 s left it no step on a loaded 2-core machine.
     run = run_project(
         tmp_path_factory,
         {},
         f"--graphmode-target={TOY}",
         "--graphmode-backend=sim",
-        "--graphmode-seconds=6",
+        "--graphmode-seconds=12",
         "--graphmode-steps=3",
         "--graphmode-workers=2",
         "--graphmode-report=out/graphmode.json",
         *BUILTIN_CAMPAIGN_ONLY,
     )
     assert run.ret == 0, run.text
-    run.fnmatch_lines(["graphmode: * seconds=6 steps=3 workers=2", "failures: 0"])
+    run.fnmatch_lines(["graphmode: * seconds=12 steps=3 workers=2", "failures: 0"])
     report = json.loads((run.path / "out" / "graphmode.json").read_text())
     assert report["run"]["workers"] == 2
     # The helper's steps are watched for device faults in its child process; this process's

@@ -362,7 +362,7 @@ class Capture:
             self._instrs.append(_Instr(func, targs, tkwargs, slots, []))
             return out
         positions = op.fresh_positions
-        metas = ops.meta_outputs(op, args, kwargs) if positions else []
+        metas = ops.checked_layouts(op, args, kwargs)
         fresh, slots = self._allocate([metas[p] for p in positions])
         self._instrs.append(
             _Instr(func, targs, tkwargs, None, list(zip(positions, slots, strict=True)))

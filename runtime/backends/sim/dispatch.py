@@ -231,7 +231,7 @@ class Dispatching(Capturing):
                 self._frees.allocated(agent, result)
             return result
         positions = op.fresh_positions
-        metas = ops.meta_outputs(op, args, kwargs) if positions else []
+        metas = ops.checked_layouts(op, args, kwargs)
         fresh = {}
         for p in positions:
             out = torch.empty_strided(metas[p].shape, metas[p].stride, dtype=metas[p].dtype)

@@ -403,6 +403,22 @@ def meta_outputs(op: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> li
     return cached
 
 
+def checked_layouts(op: OpFacts, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """The layouts of an operation's returns that is queued or recorded rather than run, its
+    arguments checked as at the call.
+
+    CUDA checks an operation's arguments (shapes, dimensions, dtypes) on the host before it
+    queues a kernel, so a mistake raises at the call; queued unchecked, it raised when the queue
+    ran, in whatever operation came next, even another twin's. Checked on the meta device, once
+    per argument layout (`meta_outputs`). A draw that makes nothing fresh is left to its run: a
+    kernel without a meta form is run on copies there, and a draw on copies would move its
+    generator.
+    """
+    if op.fresh_positions or not op.draws:
+        return meta_outputs(op, args, kwargs)
+    return []
+
+
 def _compute_meta_outputs(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
 
     def to_meta(x: Any) -> Any:
