@@ -176,9 +176,11 @@ def hypothesis_settings(max_examples: int) -> hypothesis.settings:
     """The Hypothesis settings of every campaign, whichever way it is started.
 
     No per-example deadline: the first steps of an example capture graphs, slow by design. Not
-    derandomized: a campaign is reproducible through its seed. No database: a failure is
-    reproduced from its replay snippet, not from a local cache. No `explain` phase: it re-runs
-    hundreds of variants of the shrunk schedule, and the replay snippet already is the explanation.
+    derandomized: a campaign is reproducible through its seed, where the same modules are loaded
+    (Hypothesis also draws constants from the project's loaded modules; docs/ci.md). No database:
+    a failure is reproduced from its replay snippet, not from a local cache. No `explain` phase:
+    it re-runs hundreds of variants of the shrunk schedule, and the replay snippet already is the
+    explanation.
     """
     from hypothesis import HealthCheck, Phase, settings
 
