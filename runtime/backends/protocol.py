@@ -79,10 +79,11 @@ class Backend(Protocol):
     def Graph(self) -> Callable[[], GraphHandle]: ...
 
     @property
-    def Stream(self) -> Callable[[], StreamHandle]: ...
+    def Stream(self) -> Callable[..., StreamHandle]: ...  # Stream(priority=0)
 
+    # Event(enable_timing=False, blocking=False, interprocess=False)
     @property
-    def Event(self) -> Callable[..., EventHandle]: ...  # Event(enable_timing=False)
+    def Event(self) -> Callable[..., EventHandle]: ...
 
     def graph(
         self,

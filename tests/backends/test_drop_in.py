@@ -292,6 +292,20 @@ def test_memory_reports_answer_and_nvml_questions_are_refused_by_name() -> None:
                 call()
 
 
+def test_a_stream_named_by_its_id_and_an_event_shared_between_processes_are_refused_by_name():
+    # Before, a bare TypeError (an unexpected keyword) and AttributeError (no such method).
+    with drop_in():
+        event = torch.cuda.Event(interprocess=True)
+        for call, name in [
+            (lambda: torch.cuda.Stream(stream_id=3, device_index=0, device_type=1), "stream_id"),
+            (event.ipc_handle, "ipc_handle"),
+            (lambda: torch.cuda.Event.from_ipc_handle(0, b"handle"), "from_ipc_handle"),
+        ]:
+            with pytest.raises(SimUnsupportedError, match=rf"{name}.*cannot run on the sim"):
+                call()
+        assert torch.cuda.Stream(priority=-1).priority == -1  # a stream of its own still made
+
+
 def test_the_default_device_generator_is_the_one_the_sims_draws_use() -> None:
     with drop_in():
         (default,) = torch.cuda.default_generators

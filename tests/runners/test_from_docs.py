@@ -152,6 +152,12 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     "int4_weight_only": "replay_matches_eager",
     # chunked local attention's chunk start frozen at capture: wrong past the first chunk
     "chunked_local_attention": "replay_matches_eager",
+    # `make_graphed_callables`' outputs handed out uncloned: the next call overwrites them
+    "graphed_callables_decode": "results_stay_valid",
+    # penalties sampled in the graph: padding rows count their dummy token into row 0's counts
+    "penalties_in_graph": "replay_matches_eager",
+    # landing tensors of an upload stream dropped without `record_stream` on the decode stream
+    "facade_stream_breadth": "no_stream_races",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
@@ -228,6 +234,9 @@ ON_CUDA["logit_bias_sparse_lists"] = ("replay_matches_eager", "no_device_fault")
 # download or reload lands before it is read in every delayed order the campaign drew. The sim's
 # race checker finds both at the first examples; on cuda only their correct runners are run.
 NOT_SHOWN_ON_CUDA = {"async_download_overwritten", "kv_swap_in_race"}
+# A race that joined when no device time was left (2026-12-05, later): whether a GPU shows a block
+# reallocated under the decode stream's read by value within the leading examples is unmeasured.
+NOT_YET_ON_CUDA = {"facade_stream_breadth"}
 # A stale padding slot past the cache is an exception on sim and a device-side assert on a GPU.
 ON_CUDA["flashinfer_kv_layout"] = ("replay_matches_eager", "kv_writes_confined", "no_device_fault")
 LEADING = 10  # the campaign's fixed leading examples (fuzz/campaign.py)
@@ -270,7 +279,7 @@ def test_the_correct_runner_passes_the_harness_on_a_gpu(runner: str) -> None:
 
 
 @pytest.mark.graphmode_cuda
-@pytest.mark.parametrize("runner", sorted(set(ON_CUDA) - NOT_SHOWN_ON_CUDA))
+@pytest.mark.parametrize("runner", sorted(set(ON_CUDA) - NOT_SHOWN_ON_CUDA - NOT_YET_ON_CUDA))
 def test_the_bug_is_caught_on_a_gpu_within_the_leading_examples_or_its_budget(runner: str) -> None:
     _need_a_gpu()
     factory = _factory(runner, "make_buggy_target")

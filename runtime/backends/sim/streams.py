@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from pytest_graphmode.runtime.backends.sim.device import SIM_DEVICE
+from pytest_graphmode.runtime.backends.sim.limits import SimUnsupportedError
 
 
 @dataclass(eq=False)
@@ -139,12 +140,34 @@ class StreamScheduler:
 _stream_ids = itertools.count()
 
 
+# Why an event cannot be shared between processes: each process has a sim device of its own.
+_ONE_PROCESS = (
+    "the sim's device belongs to one process, so nothing on it can be shared with another"
+)
+
+
 class SimStream:
     """A queue of device work, shaped like torch.cuda.Stream."""
 
-    def __init__(self, device: object = None, priority: int = 0, *, _backend: Any = None) -> None:
+    def __init__(
+        self,
+        device: object = None,
+        priority: int = 0,
+        stream_id: int | None = None,
+        device_index: int | None = None,
+        device_type: int | None = None,
+        *,
+        _backend: Any = None,
+    ) -> None:
         from pytest_graphmode.runtime.backends.sim.backend import current_backend
 
+        if (stream_id, device_index, device_type) != (None, None, None):
+            # torch.cuda.Stream's way of naming a stream that already exists, by its id.
+            raise SimUnsupportedError(
+                "torch.cuda.Stream(stream_id=..., device_index=..., device_type=...)",
+                why="it names a stream made elsewhere by its id; make streams with "
+                "torch.cuda.Stream()",
+            )
         self._backend = _backend or current_backend()
         self.priority = priority
         self.stream_id = next(_stream_ids)
@@ -234,6 +257,13 @@ class SimEvent:
 
     def record(self, stream: SimStream | None = None) -> None:
         self._backend.event_record(self, stream)
+
+    def ipc_handle(self) -> bytes:
+        raise SimUnsupportedError("torch.cuda.Event.ipc_handle", why=_ONE_PROCESS)
+
+    @classmethod
+    def from_ipc_handle(cls, device: object, handle: bytes) -> SimEvent:
+        raise SimUnsupportedError("torch.cuda.Event.from_ipc_handle", why=_ONE_PROCESS)
 
     def wait(self, stream: SimStream | None = None) -> None:
         (stream or self._backend.current_stream()).wait_event(self)
