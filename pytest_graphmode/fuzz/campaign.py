@@ -15,6 +15,7 @@ import random
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -31,6 +32,7 @@ from pytest_graphmode.fuzz.campaign_process import (
     long_lived_objects_frozen,
     torch_cpu_threads,
 )
+from pytest_graphmode.fuzz.checks import sim_refusal
 from pytest_graphmode.fuzz.kept_twins import HistoryFailure, KeptTwins
 from pytest_graphmode.fuzz.registry import (
     NO_DEVICE_FAULT,
@@ -68,6 +70,7 @@ def target_spec(factory: TargetFactory, backend: str) -> TargetSpec:
             if is_device_fault(error) or is_out_of_device_memory(error):
                 raise  # the device's doing, not the runner's: reported as such
             raise RuntimeError(
+                f"{sim_refusal(_last_error_line(error))}"
                 f"the factory raised making an eager target (mode='eager', seed=0, "
                 f"backend={backend!r}), whose spec a campaign draws its schedules from: a runner "
                 f"that cannot run eagerly cannot be compared with its eager twin"
@@ -76,6 +79,11 @@ def target_spec(factory: TargetFactory, backend: str) -> TargetSpec:
             return probe.spec
         finally:
             probe.close()
+
+
+def _last_error_line(error: BaseException) -> str:
+    """The exception as a traceback's last line names it, for `sim_refusal`."""
+    return "".join(traceback.format_exception_only(error)).strip()
 
 
 def campaign_spec(

@@ -508,3 +508,32 @@ def test_a_mem_pool_is_the_sims_by_torch_cuda_memorys_names_too() -> None:
         assert pool.snapshot() == []
         with pytest.raises(SimUnsupportedError, match=r"MemPool\(\)\.use_count"):
             pool.use_count()
+
+
+def test_the_allocators_statistics_fraction_and_history_answer_as_torchs_do() -> None:
+    # vLLM-style memory profiling reads these before it sizes its cache and captures; before, the
+    # fraction and the history raised AttributeError (no CUDA binding in a CPU build of torch) and
+    # memory_stats() held six keys.
+    host_snapshot = torch.cuda.memory._snapshot
+    with drop_in():
+        flat, nested = torch.cuda.memory_stats(), torch.cuda.memory_stats_as_nested_dict()
+        assert flat["requested_bytes.all.current"] == 0
+        assert (
+            flat["allocated_bytes.large_pool.peak"]
+            == nested["allocated_bytes"]["large_pool"]["peak"]
+        )
+        assert len(flat) == 9 * 3 * 4 + 2 * 4 + 6
+        assert torch.cuda.get_per_process_memory_fraction() == 1.0
+        torch.cuda.set_per_process_memory_fraction(0.9, 0)
+        assert torch.cuda.memory.get_per_process_memory_fraction(0) == 0.9
+        with pytest.raises(ValueError, match="Allowed range"):
+            torch.cuda.set_per_process_memory_fraction(1.5)
+        with pytest.raises(TypeError, match="must be `float`"):
+            torch.cuda.set_per_process_memory_fraction(1)
+        torch.cuda.memory._record_memory_history(max_entries=100)
+        assert torch.cuda.memory._snapshot()["segments"] == []
+        torch.cuda.memory._record_memory_history(enabled=None)
+        assert torch.cuda.get_allocator_backend() == "native"
+        with pytest.raises(SimUnsupportedError, match="caching_allocator_alloc"):
+            torch.cuda.caching_allocator_alloc(1024)
+    assert torch.cuda.memory._snapshot is host_snapshot

@@ -178,3 +178,16 @@ def test_a_state_that_is_a_copy_is_refused_before_step_0():
 def test_a_state_viewed_anew_at_each_call_is_the_state():
     stats = run_campaign(state_viewed_anew, backend="sim", max_examples=2, max_steps=2, seed=0)
     assert stats.failures == [] and stats.steps > 0
+
+
+def _needs_a_cuda_binding(mode: str, *, seed: int, backend: str) -> toy.ToyTarget:
+    # What torch.cuda's own code raises on a CPU build where the drop-in stands in for nothing.
+    raise AttributeError("module 'torch._C' has no attribute '_cuda_someBinding'")
+
+
+def test_a_factory_stopped_by_a_missing_cuda_binding_is_reported_as_the_sims_limit() -> None:
+    with pytest.raises(RuntimeError, match="the factory raised making an eager target") as caught:
+        run_campaign(_needs_a_cuda_binding, backend="sim", max_examples=2, max_steps=2, seed=0)
+    message = str(caught.value)
+    assert message.startswith("sim_unsupported: the sim cannot run a call this runner makes")
+    assert "_cuda_someBinding" in message.splitlines()[1]

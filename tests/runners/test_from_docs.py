@@ -158,6 +158,11 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     "penalties_in_graph": "replay_matches_eager",
     # landing tensors of an upload stream dropped without `record_stream` on the decode stream
     "facade_stream_breadth": "no_stream_races",
+    # a graph captured lazily mid-serving, its warm-up's zeroed dummy rows writing slot 0
+    "lazy_capture_serving": "kv_writes_confined",
+    # memory profiled vLLM-style with a forward smaller than the largest eager step: the scratch
+    # every graph writes is freed, emptied from the cache and reallocated by a later prefill
+    "memory_profiled_capture": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not

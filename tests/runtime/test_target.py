@@ -168,4 +168,6 @@ def test_a_target_dropped_without_close_releases_its_descriptors() -> None:
     for _ in range(3):
         make_target("graph", seed=1, backend="sim").step(make_batch([1, 1]))
     gc.collect()
-    assert open_fds() == before
+    # At most as many: a descriptor something else in the process held (a finished child's
+    # pipe) may close meanwhile, as one did in CI (17 after, 18 before).
+    assert open_fds() <= before

@@ -36,6 +36,10 @@ from pytest_graphmode.runtime.backends.sim.autocast import (
 from pytest_graphmode.runtime.backends.sim.backend import SimBackend, SimGraph, current_backend
 from pytest_graphmode.runtime.backends.sim.compile import sim_compile
 from pytest_graphmode.runtime.backends.sim.device import is_index, is_sim_device
+from pytest_graphmode.runtime.backends.sim.memory_queries import (
+    MEMORY_MODULE_PRIVATE,
+    memory_query_surface,
+)
 from pytest_graphmode.runtime.backends.sim.stand_ins import (
     SIM_MEMORY,
     SimDeviceContext,
@@ -48,7 +52,6 @@ from pytest_graphmode.runtime.backends.sim.stand_ins import (
     device_of,
     loader,
     memory_snapshot,
-    memory_stats,
     memory_summary,
     nothing,
     one_device,
@@ -200,7 +203,7 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
         "synchronize": synchronize,
         "empty_cache": nothing,
         "mem_get_info": mem_get_info,
-        "memory_stats": memory_stats,
+        **memory_query_surface(),
         "memory_summary": memory_summary,
         "memory_snapshot": memory_snapshot,
         "utilization": unsupported("torch.cuda.utilization (NVML)"),
@@ -232,6 +235,12 @@ _MEMORY_MODULE_NAMES = (
     "empty_cache",
     "mem_get_info",
     "memory_stats",
+    "memory_stats_as_nested_dict",
+    "set_per_process_memory_fraction",
+    "get_per_process_memory_fraction",
+    "get_allocator_backend",
+    "caching_allocator_alloc",
+    "caching_allocator_delete",
     "memory_summary",
     "memory_snapshot",
     "memory_allocated",
@@ -271,6 +280,7 @@ def _submodule_surface(surface: dict[str, Any]) -> list[tuple[Any, str, Any]]:
         (torch.cuda, "default_generators", (torch.default_generator,)),
         # torch.cuda's memory queries are torch.cuda.memory's, and may be called from there.
         *((torch.cuda.memory, name, surface[name]) for name in _MEMORY_MODULE_NAMES),
+        *((torch.cuda.memory, name, call) for name, call in MEMORY_MODULE_PRIVATE.items()),
         # vLLM's sleep-mode allocator names its pool there (only the names this torch has).
         *(
             (torch.cuda.memory, name, surface[name])

@@ -324,18 +324,6 @@ def _mover(where: Callable[[torch.Tensor], Any]) -> Callable[[Any], Any]:
     return move
 
 
-def memory_stats(device: Any = None) -> dict[str, int]:
-    one_device(device)
-    return {
-        "allocated_bytes.all.current": 0,
-        "allocated_bytes.all.peak": 0,
-        "reserved_bytes.all.current": 0,
-        "reserved_bytes.all.peak": 0,
-        "num_alloc_retries": 0,
-        "num_ooms": 0,
-    }
-
-
 def zero(device: Any = None) -> int:
     one_device(device)
     return 0
