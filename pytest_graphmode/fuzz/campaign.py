@@ -70,7 +70,7 @@ def target_spec(factory: TargetFactory, backend: str) -> TargetSpec:
             if is_device_fault(error) or is_out_of_device_memory(error):
                 raise  # the device's doing, not the runner's: reported as such
             raise RuntimeError(
-                f"{sim_refusal(_last_error_line(error))}"
+                f"{sim_refusal(_exception_text(error))}"
                 f"the factory raised making an eager target (mode='eager', seed=0, "
                 f"backend={backend!r}), whose spec a campaign draws its schedules from: a runner "
                 f"that cannot run eagerly cannot be compared with its eager twin"
@@ -81,8 +81,8 @@ def target_spec(factory: TargetFactory, backend: str) -> TargetSpec:
             probe.close()
 
 
-def _last_error_line(error: BaseException) -> str:
-    """The exception as a traceback's last line names it, for `sim_refusal`."""
+def _exception_text(error: BaseException) -> str:
+    """The exception as a traceback ends with it ("AttributeError: ..."), for `sim_refusal`."""
     return "".join(traceback.format_exception_only(error)).strip()
 
 
