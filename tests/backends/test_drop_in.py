@@ -3,6 +3,7 @@ after it, and what the sim cannot run is refused by name."""
 
 import io
 import types
+import warnings
 
 import pytest
 import torch
@@ -537,3 +538,26 @@ def test_the_allocators_statistics_fraction_and_history_answer_as_torchs_do() ->
         with pytest.raises(SimUnsupportedError, match="caching_allocator_alloc"):
             torch.cuda.caching_allocator_alloc(1024)
     assert torch.cuda.memory._snapshot is host_snapshot
+
+
+def test_sync_debug_mode_warns_or_raises_where_torch_checks_it() -> None:
+    # Before, set_sync_debug_mode raised AttributeError (no CUDA binding in a CPU build).
+    with drop_in():
+        x, pinned = torch.ones(4, device="cuda"), torch.empty(4, pin_memory=True)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            assert torch.cuda.get_sync_debug_mode() == 1
+            with pytest.warns(UserWarning, match="called a synchronizing CUDA operation"):
+                x.sum().item()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                pinned.copy_(x, non_blocking=True)  # neither is checked by torch
+                torch.cuda.current_stream().record_event().synchronize()
+            torch.cuda.set_sync_debug_mode(2)
+            with pytest.raises(RuntimeError, match="called a synchronizing CUDA operation"):
+                torch.cuda.synchronize()
+            with pytest.raises(RuntimeError, match="expected one of"):
+                torch.cuda.set_sync_debug_mode("loud")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.cuda.get_sync_debug_mode() == 0

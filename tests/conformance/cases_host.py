@@ -285,3 +285,31 @@ def autocast_on_the_device(be: Any) -> str:
             default = x @ weight
         stored = "stored" if cache[1].float().sum().item() == 16.0 else "not stored"
         return f"{out.dtype} {default.dtype} {str(probs.dtype)[6:]} softmax, {stored}"
+
+
+def _under_sync_debug_error(be: Any, call: Any) -> str:
+    """`call(x)` under `set_sync_debug_mode("error")`, the mode set back to default after."""
+    with backends.target_scope(be.name):
+        x = torch.ones(4, device=be.device)
+        be.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call(x)
+            return f"ran; mode {torch.cuda.get_sync_debug_mode()}"
+        except RuntimeError as exc:
+            return f"raises RuntimeError: {str(exc).splitlines()[0]}"
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@case("raises RuntimeError: called a synchronizing CUDA operation")
+def a_host_read_under_sync_debug_error(be: Any) -> str:
+    return _under_sync_debug_error(be, lambda x: x.sum().item())
+
+
+@case("ran; mode 2")
+def an_event_wait_under_sync_debug_error(be: Any) -> str:
+    # torch checks the mode where it copies and synchronizes streams or the device, not here.
+    return _under_sync_debug_error(
+        be, lambda x: torch.cuda.current_stream().record_event().synchronize()
+    )

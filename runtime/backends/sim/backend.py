@@ -40,6 +40,7 @@ from pytest_graphmode.runtime.backends.sim.graphs import SimGraph
 from pytest_graphmode.runtime.backends.sim.happens_before import RaceChecker
 from pytest_graphmode.runtime.backends.sim.pool import SimPoolHandle
 from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream, StreamScheduler
+from pytest_graphmode.runtime.backends.sim.sync_debug import warn_or_error_on_sync
 from pytest_graphmode.runtime.backends.sim.threads import (
     SimThreads,
     ThreadStreams,
@@ -229,6 +230,7 @@ class SimBackend(Dispatching):
     @serialized
     def synchronize(self) -> None:
         self._forbid_in_capture("synchronize()")
+        warn_or_error_on_sync()
         self.scheduler.drain_all()
         self._races.host_waits_for_all()
         self._frees.host_passed_all()

@@ -61,6 +61,10 @@ from pytest_graphmode.runtime.backends.sim.stand_ins import (
     zero,
 )
 from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream
+from pytest_graphmode.runtime.backends.sim.sync_debug import (
+    get_sync_debug_mode,
+    set_sync_debug_mode,
+)
 
 _ABSENT = object()
 _depth = 0
@@ -201,6 +205,8 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
         "current_stream": stream_on,
         "default_stream": default_on,
         "synchronize": synchronize,
+        "set_sync_debug_mode": set_sync_debug_mode,
+        "get_sync_debug_mode": get_sync_debug_mode,
         "empty_cache": nothing,
         "mem_get_info": mem_get_info,
         **memory_query_surface(),

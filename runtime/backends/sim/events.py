@@ -7,6 +7,7 @@ import torch
 
 from pytest_graphmode.runtime.backends.sim.access_notes import AccessNotes
 from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream, new_marker, new_wait
+from pytest_graphmode.runtime.backends.sim.sync_debug import warn_or_error_on_sync
 from pytest_graphmode.runtime.backends.sim.threads import serialized
 
 
@@ -71,7 +72,7 @@ class StreamsAndEvents(AccessNotes):
 
     @serialized
     def event_query(self, event: SimEvent) -> bool:
-        self._forbid_in_capture("Event.query()")
+        self._forbid_in_capture("Event.query()", event.recorded_on or self._current)
         self._check_captured_record(event, "Event.query()")
         self.scheduler.maybe_progress()
         done = event.marker is None or event.marker.done
@@ -81,7 +82,7 @@ class StreamsAndEvents(AccessNotes):
 
     @serialized
     def event_synchronize(self, event: SimEvent) -> None:
-        self._forbid_in_capture("Event.synchronize()")
+        self._forbid_in_capture("Event.synchronize()", event.recorded_on or self._current)
         self._check_captured_record(event, "Event.synchronize()")
         if event.marker is not None:
             self.scheduler.run_until(event.marker)
@@ -90,7 +91,7 @@ class StreamsAndEvents(AccessNotes):
 
     @serialized
     def stream_query(self, stream: SimStream) -> bool:
-        self._forbid_in_capture("Stream.query()")
+        self._forbid_in_capture("Stream.query()", stream)
         self.scheduler.maybe_progress()
         done = not self.scheduler.has_work(stream)
         if done:
@@ -99,7 +100,8 @@ class StreamsAndEvents(AccessNotes):
 
     @serialized
     def stream_synchronize(self, stream: SimStream) -> None:
-        self._forbid_in_capture("Stream.synchronize()")
+        self._forbid_in_capture("Stream.synchronize()", stream)
+        warn_or_error_on_sync()
         self.scheduler.drain(stream)
         self._races.host_waits_for(self._races.agent(stream))
 
@@ -118,4 +120,5 @@ class StreamsAndEvents(AccessNotes):
             )
         if t is not None:
             self._note(self._current, [(t, False)], what)
+        warn_or_error_on_sync()
         self._host_waits_for(self._current)

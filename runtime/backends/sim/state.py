@@ -35,8 +35,8 @@ class ActiveCapture:
     origin: SimStream
     # the global generator's seed at capture_begin: CUDA refuses manual_seed(other) in a capture
     seed: int
-    # "global": allocating outside the capture is refused in every thread; "thread_local": in
-    # the capturing thread only; "relaxed": never
+    # "global": an unsafe call (allocating, waiting for a stream or event outside the capture) is
+    # refused in every thread; "thread_local": in the capturing thread only; "relaxed": never
     error_mode: str
     # the thread that began the capture
     thread: int = 0
@@ -44,10 +44,11 @@ class ActiveCapture:
     unjoined: dict[SimStream, bool] = field(default_factory=dict)
     ops_on: dict[SimStream, int] = field(default_factory=dict)
 
-    def refuses_allocation(self) -> bool:
-        """Whether an allocation outside the capture, in the calling thread, is refused (CUDA's
-        capture modes: an unsafe call such as cudaMalloc is refused from any thread while a
-        global capture runs, only from the capturing thread while a thread-local one does)."""
+    def refuses_unsafe_call(self) -> bool:
+        """Whether an unsafe call in the calling thread is refused: an allocation outside the
+        capture, a wait for or a query of a stream or event outside it (CUDA's capture modes:
+        refused from any thread while a global capture runs, only from the capturing thread
+        while a thread-local one does, never while a relaxed one does)."""
         if self.error_mode == "global":
             return True
         return self.error_mode == "thread_local" and threading.get_ident() == self.thread
@@ -98,11 +99,23 @@ class SimState:
             return active
         return None
 
-    def _forbid_in_capture(self, what: str) -> None:
-        if self._active is not None:
-            raise self._active.capture.fail(
-                f"{what} during a capture: synchronizing is not allowed while a stream is capturing"
-            )
+    def _forbid_in_capture(self, what: str, stream: SimStream | None = None) -> None:
+        """Refuse a wait or query while a capture runs. `stream`: the stream a wait or query of a
+        stream or event concerns, which CUDA's capture modes decide for (another thread's under
+        "thread_local", anyone's under "relaxed", is allowed; a stream taking part in the
+        capture, never); None: the whole device, always refused."""
+        active = self._active
+        if active is None:
+            return
+        if (
+            stream is not None
+            and stream not in active.unjoined
+            and not active.refuses_unsafe_call()
+        ):
+            return
+        raise active.capture.fail(
+            f"{what} during a capture: synchronizing is not allowed while a stream is capturing"
+        )
 
     @staticmethod
     def _check_seed(active: ActiveCapture) -> None:
