@@ -151,6 +151,15 @@ def racy(be: Any, trial: Callable[[], str], shows: str, seeds: Iterable[int] = r
     return seen
 
 
+def index_copy_of_too_many_dims(be: Any) -> Callable[[], object]:
+    """An `index_copy_` whose rows have one dimension more than the table's: torch checks the
+    arguments on the host, before it queues a kernel."""
+    table = torch.zeros(6, 4, device=be.device)
+    index = torch.tensor([1, 2], device=be.device)
+    rows = torch.ones(2, 4, 1, device=be.device)
+    return lambda: table.index_copy_(0, index, rows)
+
+
 def value(be: Any, t: torch.Tensor) -> str:
     """A tensor's contents as an outcome, read once the device is idle."""
     be.synchronize()

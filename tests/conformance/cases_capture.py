@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tests.conformance.case import case
+from tests.conformance.case import case, index_copy_of_too_many_dims
 
 _REFUSED = "raises CaptureError"
 
@@ -204,13 +204,11 @@ def non_blocking_copy_device_to_pinned(be: Any) -> str:
 
 @case("raises IndexError at the call")
 def argument_error_in_a_capture_raises_at_the_call(be: Any) -> str:
-    table = torch.zeros(6, 4, device=be.device)
-    index = torch.tensor([1, 2], device=be.device)
-    rows = torch.ones(2, 4, 1, device=be.device)  # one dimension more than the table's
+    copy = index_copy_of_too_many_dims(be)
     g = be.Graph()
     try:
         with be.graph(g):
-            table.index_copy_(0, index, rows)
+            copy()
     except IndexError as exc:
         return f"raises {type(exc).__name__} at the call"
     return "captured"

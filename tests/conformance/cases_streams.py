@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from pytest_graphmode.runtime import backends
-from tests.conformance.case import another_stream, busy, case, racy, value
+from tests.conformance.case import (
+    another_stream,
+    busy,
+    case,
+    index_copy_of_too_many_dims,
+    racy,
+    value,
+)
 
 
 def _fork_join(be: Any, x: torch.Tensor, join: str) -> tuple[Any, torch.Tensor]:
@@ -316,18 +322,9 @@ def is_current_stream_capturing_asks_the_current_stream(be: Any) -> str:
     )
 
 
-def _index_copy_of_too_many_dims(be: Any) -> Callable[[], object]:
-    """An `index_copy_` whose rows have one dimension more than the table's: torch checks the
-    arguments on the host, before it queues a kernel."""
-    table = torch.zeros(6, 4, device=be.device)
-    index = torch.tensor([1, 2], device=be.device)
-    rows = torch.ones(2, 4, 1, device=be.device)
-    return lambda: table.index_copy_(0, index, rows)
-
-
 @case("raises IndexError at the call")
 def argument_error_on_a_side_stream_raises_at_the_call(be: Any) -> str:
-    copy = _index_copy_of_too_many_dims(be)
+    copy = index_copy_of_too_many_dims(be)
     side = another_stream(be)
     side.wait_stream(be.current_stream())
     try:

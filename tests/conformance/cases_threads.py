@@ -120,22 +120,6 @@ def download_read_by_a_worker_after_an_event(be: Any) -> str:
         return racy(be, trial, shows="stale")
 
 
-def _capture_while_main_allocates(be: Any, mode: str) -> str:
-    """A worker captures in `mode` and waits inside the capture while the main thread allocates
-    64 MiB on the device (a fresh allocation on CUDA, not a cached block); then the graph replays."""
-    return _capture_while_main(
-        be, mode, lambda stream: torch.empty(16 << 20, device=be.device), "allocated"
-    )
-
-
-def _capture_while_main_waits(be: Any, mode: str) -> str:
-    """The same, the main thread waiting for an event it recorded on a stream of its own, outside
-    the capture."""
-    return _capture_while_main(
-        be, mode, lambda stream: stream.record_event().synchronize(), "waited"
-    )
-
-
 def _capture_while_main(be: Any, mode: str, work: Callable[[Any], object], did: str) -> str:
     """A worker captures in `mode` and waits inside the capture while the main thread does
     `work(stream)` (`stream`: one of its own, made before the capture's, so never the capturing
@@ -184,8 +168,11 @@ def _guarded(work: Callable[[], T]) -> T | Exception:
 
 @case("allocated; value=[3.0, 3.0]")
 def another_thread_allocates_during_a_thread_local_capture(be: Any) -> str:
-    # CUDA refuses an unsafe call (a cudaMalloc) only from the capturing thread in this mode.
-    return _capture_while_main_allocates(be, "thread_local")
+    # CUDA refuses an unsafe call (a cudaMalloc) only from the capturing thread in this mode. 64
+    # MiB: a fresh allocation on CUDA, not a cached block.
+    return _capture_while_main(
+        be, "thread_local", lambda stream: torch.empty(16 << 20, device=be.device), "allocated"
+    )
 
 
 @case("waited; value=[3.0, 3.0]")
@@ -193,4 +180,6 @@ def another_thread_waits_for_an_event_during_a_thread_local_capture(be: Any) -> 
     # Waiting for an event is unsafe during a capture (cudaEventSynchronize), refused in this
     # mode only from the capturing thread: PyTorch's NCCL watchdog queries events from its own
     # thread while a thread-local capture runs (pytorch PRs 104555, 105182).
-    return _capture_while_main_waits(be, "thread_local")
+    return _capture_while_main(
+        be, "thread_local", lambda stream: stream.record_event().synchronize(), "waited"
+    )

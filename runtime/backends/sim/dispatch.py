@@ -21,7 +21,6 @@ from pytest_graphmode.runtime.backends.sim.ops import OpFacts
 from pytest_graphmode.runtime.backends.sim.pool import poison_
 from pytest_graphmode.runtime.backends.sim.state import ActiveCapture
 from pytest_graphmode.runtime.backends.sim.streams import SimStream, new_work
-from pytest_graphmode.runtime.backends.sim.sync_debug import warn_or_error_on_sync
 
 if TYPE_CHECKING:
     from pytest_graphmode.runtime.backends.sim.backend import _SimMode
@@ -143,9 +142,7 @@ class Dispatching(Capturing):
         # A blocking copy, or one with pageable memory: in stream order on the current stream,
         # and the host waits for it (a pageable source is staged before the call returns).
         self._note(stream, [(src, False), (dst, True)], "aten.copy_")
-        if not non_blocking:
-            warn_or_error_on_sync()  # torch's blocking copy; a non_blocking one is not checked
-        self._host_waits_for(stream)
+        self._host_waits_for(stream, checked=not non_blocking)
         return ops.aten.copy_.default(*args, **kwargs)
 
     def _device_op(
@@ -182,7 +179,6 @@ class Dispatching(Capturing):
             self._before_allocation(stream, op)
         if ops.capture_violation(op, args, kwargs) is not None:
             self._note(stream, ops.touched(op, args, kwargs, ()), op.name)
-            warn_or_error_on_sync()
             self._host_waits_for(stream)  # a host read: it waits for the stream
             result = func(*args, **kwargs)
             self._note_allocation(stream, op, result)

@@ -120,5 +120,4 @@ class StreamsAndEvents(AccessNotes):
             )
         if t is not None:
             self._note(self._current, [(t, False)], what)
-        warn_or_error_on_sync()
         self._host_waits_for(self._current)

@@ -18,6 +18,7 @@ import torch
 
 from pytest_graphmode.runtime.backends.sim.capture import Capture
 from pytest_graphmode.runtime.backends.sim.streams import SimStream
+from pytest_graphmode.runtime.backends.sim.sync_debug import warn_or_error_on_sync
 
 if TYPE_CHECKING:
     from pytest_graphmode.runtime.backends.sim.device_mode import DeviceMode
@@ -137,6 +138,10 @@ class SimState:
         finally:
             self._passthrough -= 1
 
-    def _host_waits_for(self, stream: SimStream) -> None:
+    def _host_waits_for(self, stream: SimStream, checked: bool = True) -> None:
+        """The host waits for `stream`'s work. `checked`: torch checks its sync debug mode there
+        (a host read, a blocking copy; not the staging of a pageable `non_blocking` copy)."""
+        if checked:
+            warn_or_error_on_sync()
         self.scheduler.drain(stream)
         self._races.host_waits_for(self._races.agent(stream))
