@@ -130,3 +130,19 @@ def normal_with_a_tensor_std_checks_it_on_the_host(be: Any) -> str:
 @case("captured")
 def normal_with_a_number_std(be: Any) -> str:
     return _attempt(be, lambda x, i: torch.normal(x, 1.0))
+
+
+@case("value=[0, 2, 0, 1, 2, 1] on the device")
+def combinations_makes_its_inner_mask_on_the_device(be: Any) -> str:
+    # Its C++ builds a mask with the input's options: device memory on CUDA, where the sim's
+    # dispatcher saw a host tensor made amid device work.
+    pairs = torch.combinations(torch.tensor([0, 2, 1], device=be.device))
+    where = "on the device" if pairs.device == be.device else "on the host"
+    be.synchronize()
+    return f"value={pairs.flatten().tolist()} {where}"
+
+
+@case(_REFUSED)
+def combinations_in_a_capture_sizes_its_output_on_the_host(be: Any) -> str:
+    # masked_select inside: its output's size is read back from the device.
+    return _attempt(be, lambda x, i: torch.combinations(x[:4]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tests.conformance import (
     cases_async,
+    cases_attention,
     cases_capture,
     cases_compile,
     cases_custom_ops,
@@ -38,6 +39,7 @@ MODULES = (
     cases_inference,
     cases_custom_ops,
     cases_compile,
+    cases_attention,
 )
 
 

@@ -120,6 +120,7 @@ class SimBackend(Dispatching):
         self._mode: _SimMode | None = None
         self._device_mode = None
         self._placing = None
+        self._call_args = None
         self._races = RaceChecker()
         self._frees = StreamOrderedFrees(
             self._races, self._races.agent(self._default), self._pinned

@@ -18,6 +18,7 @@ place (`SimBackend._cross`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import FunctionType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -170,6 +171,22 @@ def mark_device(result: Any) -> Any:
             if type(item) is torch.Tensor:
                 item.__class__ = SimDeviceTensor
     return result
+
+
+def call_through(
+    backend: SimBackend, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Run a torch call the device mode lets through. While a builtin runs, the sim keeps its
+    arguments (`_call_args`): the tensors its C++ makes inside with its inputs' options (the
+    causal mask of SDPA's math kernel, `combinations`' mask) are CPU tensors to the dispatcher,
+    and device tensors on CUDA when an input is one. A Python function's own
+    calls pass no mode, so what it makes stays where its code puts it."""
+    previous = backend._call_args
+    backend._call_args = None if type(func) is FunctionType else (args, kwargs)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        backend._call_args = previous
 
 
 def is_sim_device(device: Any) -> bool:

@@ -11,8 +11,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _device as torch_default_device
 
-from pytest_graphmode.runtime.backends.sim import host_reads, placement
-from pytest_graphmode.runtime.backends.sim.device import Handler, SimDeviceTensor, is_sim_device
+from pytest_graphmode.runtime.backends.sim import attention, host_reads, placement
+from pytest_graphmode.runtime.backends.sim.device import (
+    Handler,
+    SimDeviceTensor,
+    call_through,
+    is_sim_device,
+)
 from pytest_graphmode.runtime.backends.sim.generators import check_draw
 
 if TYPE_CHECKING:
@@ -48,7 +53,7 @@ class DeviceMode(TorchFunctionMode):
                 return placement.factory(self.backend, func, args, dict(kwargs, device=default))
         if kwargs and ("device" in kwargs or "pin_memory" in kwargs):
             return placement.factory(self.backend, func, args, kwargs)
-        return func(*args, **kwargs)
+        return call_through(self.backend, func, args, kwargs)
 
 
 class FollowerDeviceMode(DeviceMode):
@@ -81,4 +86,8 @@ def _default_sim_device(func: Any) -> torch.device | None:
     return default
 
 
-_HANDLERS: dict[Any, Handler] = {**placement.HANDLERS, **host_reads.HANDLERS}
+_HANDLERS: dict[Any, Handler] = {
+    **placement.HANDLERS,
+    **host_reads.HANDLERS,
+    **attention.HANDLERS,
+}

@@ -43,7 +43,13 @@ class Dispatching(Capturing):
         tensors, host = _tensors(args, kwargs)
         placing = self._placing
         if placing is None:
-            device = len(host) < len(tensors)
+            # A factory has no tensor to go by: inside a builtin call on device tensors, it is
+            # one of the call's own tensors (`call_through`).
+            device = len(host) < len(tensors) or (
+                not tensors
+                and self._call_args is not None
+                and _made_for_a_device_call(op, self._call_args)
+            )
         else:
             host, device = [], placing
         if not device:
@@ -283,6 +289,19 @@ def _tensors(args: Any, kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], lis
                     if not isinstance(i, SimDeviceTensor):
                         host.append(i)
     return found, host
+
+
+def _made_for_a_device_call(op: OpFacts, call: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
+    """Whether a factory dispatched inside a builtin call makes a device tensor: an input of the
+    call is one (`call_through`). A scalar torch wraps for a kernel stays a host scalar, as on
+    CUDA."""
+    if op.func is _SCALAR_TENSOR:
+        return False
+    found, host = _tensors(*call)
+    return len(host) < len(found)
+
+
+_SCALAR_TENSOR = torch.ops.aten.scalar_tensor.default
 
 
 def _check_host_operands(op: OpFacts, host: list[torch.Tensor]) -> None:
