@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from pytest_graphmode.runtime import backends
 from tests.conformance.case import case
@@ -32,11 +33,14 @@ def _attend(
     head_size: int = 64,
     value_head_size: int | None = None,
     mask: bool = False,
+    additive_mask: torch.dtype | None = None,
+    lower_right: bool = False,
     causal: bool = False,
     autocast: torch.dtype | None = None,
 ) -> str:
-    """One SDPA call with only `kernels` enabled: "ran, as math on the host computes it" or "no
-    kernel"; any other error escapes as the case's outcome."""
+    """One SDPA call with only `kernels` enabled: "ran, as math on the host computes it", "no
+    kernel" or the efficient kernel's refusal of the mask; any other error escapes as the case's
+    outcome."""
     with backends.target_scope(be.name):
         g = torch.Generator().manual_seed(0)
         host = [
@@ -47,14 +51,20 @@ def _attend(
                 (keys, value_head_size or head_size),
             )
         ]
-        attn_mask = torch.rand(2, 1, queries, keys, generator=g) > 0.3 if mask else None
+        attn_mask: Any = torch.rand(2, 1, queries, keys, generator=g) > 0.3 if mask else None
         if attn_mask is not None:
             attn_mask[..., 0] = True  # every query sees a key: no row of NaNs
+        if additive_mask is not None:
+            attn_mask = torch.randn(2, 1, queries, keys, generator=g).to(additive_mask)
         q, k, v = (t.to(be.device) for t in host)
         device_mask = None if attn_mask is None else attn_mask.to(be.device)
+        if lower_right:  # no tensor of its own: the same object on both sides
+            attn_mask = device_mask = causal_lower_right(queries, keys)
         with sdpa_kernel([MATH]):
             expected = F.scaled_dot_product_attention(
-                *(t.float() for t in host), attn_mask=attn_mask, is_causal=causal
+                *(t.float() for t in host),
+                attn_mask=attn_mask.float() if additive_mask is not None else attn_mask,
+                is_causal=causal,
             )
         try:
             with warnings.catch_warnings():
@@ -72,6 +82,8 @@ def _attend(
         except RuntimeError as exc:
             if "No available kernel" in str(exc):
                 return "no kernel"
+            if "invalid dtype for bias" in str(exc):
+                return "the kernel refuses the mask's dtype"
             raise
         close = torch.allclose(out.float().cpu(), expected, atol=2e-2, rtol=2e-2)
         return "ran, as math on the host computes it" if close else "ran, with other values"
@@ -128,6 +140,27 @@ def math_alone_runs_causal_with_fewer_queries_than_keys(be: Any) -> str:
 @case(RAN)
 def math_alone_runs_causal_square(be: Any) -> str:
     return _attend(be, [MATH], queries=5, causal=True)
+
+
+@case("the kernel refuses the mask's dtype")
+def efficient_alone_refuses_a_float32_mask_with_half_inputs(be: Any) -> str:
+    # Checked inside the kernel once chosen ("invalid dtype for bias"): no other kernel is tried.
+    return _attend(be, [EFFICIENT], additive_mask=torch.float32)
+
+
+@case(RAN)
+def efficient_alone_takes_a_half_mask_with_half_inputs(be: Any) -> str:
+    return _attend(be, [EFFICIENT], additive_mask=torch.float16)
+
+
+@case(RAN)
+def a_lower_right_causal_bias_runs_on_the_efficient_kernel(be: Any) -> str:
+    return _attend(be, [EFFICIENT], dtype=torch.float32, queries=2, lower_right=True)
+
+
+@case("no kernel")
+def a_lower_right_causal_bias_in_float32_has_no_kernel_with_flash_alone(be: Any) -> str:
+    return _attend(be, [FLASH], dtype=torch.float32, queries=2, lower_right=True)
 
 
 @case("value matches eager")

@@ -172,6 +172,12 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # warm-up and capture in one autocast block with its cast cache on: the graph reads the
     # warm-up's bfloat16 copy of a weight, freed when the block ends
     "sdpa_autocast_decode": "replay_matches_eager",
+    # copy-on-write block forks in the graph: the padded tail of the (src, dst) pairs keeps an
+    # earlier step's pairs, so a stale snapshot is copied over a block again
+    "forked_blocks_decode": "kv_writes_land",
+    # SDPA kernels chosen per path; the graph path's additive mask cached in per-step metadata
+    # that the graph keeps, so every replay uses the warm-up's all-padding mask
+    "sdpa_kernels_decode": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
@@ -253,7 +259,7 @@ ON_CUDA["flashinfer_kv_layout"] = ("replay_matches_eager", "kv_writes_confined",
 LEADING = 10  # the campaign's fixed leading examples (fuzz/campaign.py)
 # vLLM's start-up profiling asserts that the GPU's free memory did not rise while it profiled,
 # which another process freeing memory on the same GPU breaks: on a GPU shared by eight pytest
-# workers, the correct runner failed so (2026-12-05, late); alone it passes.
+# workers, the correct runner failed so (2026-12-05, late). Alone on a GPU it has not run yet.
 NEEDS_THE_GPU_ALONE = {"memory_profiled_capture"}
 
 

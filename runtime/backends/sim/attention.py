@@ -19,15 +19,18 @@ kernels, not the GPU's: what the sim checks is which calls run.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias, CausalVariant
+from torch.utils._python_dispatch import _disable_current_modes
 
-from pytest_graphmode.runtime.backends.sim.device import call_through, on_device
+from pytest_graphmode.runtime.backends.sim import placement
+from pytest_graphmode.runtime.backends.sim.device import SIM_DEVICE, call_through, on_device
 
 if TYPE_CHECKING:
     from pytest_graphmode.runtime.backends.sim.backend import SimBackend
@@ -40,7 +43,7 @@ _EFFICIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PARAMETERS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Call:
     query: torch.Tensor
     key: torch.Tensor
@@ -262,17 +265,31 @@ def _refusal(kernel: SDPBackend, c: _Call) -> str | None:
     return None
 
 
-def cuda_would_run_fused(c: _Call) -> bool:
-    """Whether a fused kernel would take the call on CUDA; raises CUDA's error when no kernel,
-    math included, would."""
-    if any(_refusal(kernel, c) is None for kernel in _ENABLED):
-        return True
-    if torch.backends.cuda.math_sdp_enabled():
-        return False
-    for heading, kernel in _WARNED:
-        warnings.warn(heading, UserWarning, stacklevel=4)
-        warnings.warn(str(_refusal(kernel, c)), UserWarning, stacklevel=4)
-    raise RuntimeError(NO_KERNEL)
+# The order a kernel is taken in when several would: cuDNN first on sm90 where torch prefers it
+# (a recent cuDNN), else flash, efficient, math. Only the efficient kernel's own check below
+# depends on it, and cuDNN first raises that check in fewer calls, never in more.
+_ORDER = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+
+
+def cuda_kernel(c: _Call) -> SDPBackend:
+    """The kernel CUDA would take the call with; raises CUDA's error when none, math included,
+    would, and the efficient kernel's own error for a mask of another dtype than the query's."""
+    chosen = next((kernel for kernel in _ORDER if _refusal(kernel, c) is None), None)
+    if chosen is None and torch.backends.cuda.math_sdp_enabled():
+        chosen = SDPBackend.MATH
+    if chosen is None:
+        for heading, kernel in _WARNED:
+            warnings.warn(heading, UserWarning, stacklevel=4)
+            warnings.warn(str(_refusal(kernel, c)), UserWarning, stacklevel=4)
+        raise RuntimeError(NO_KERNEL)
+    if chosen is SDPBackend.EFFICIENT_ATTENTION and c.mask is not None:
+        mask_dtype = c.mask.dtype
+        if mask_dtype.is_floating_point and torch.is_autocast_enabled("cpu"):
+            mask_dtype = c.dtype  # autocast casts the mask with the inputs
+        if mask_dtype != torch.bool and mask_dtype != c.dtype:
+            # Checked in the kernel (attention.cu), after the kernel was chosen: no fallback.
+            raise RuntimeError("invalid dtype for bias - should match query's dtype")
+    return chosen
 
 
 def scaled_dot_product_attention(
@@ -283,13 +300,61 @@ def scaled_dot_product_attention(
         return func(*args, **kwargs)  # torch's own argument error
     c = _call(args, kwargs)
     inputs = [*c.tensors, *([c.mask] if c.mask is not None else [])]
-    devices = [on_device(t) for t in inputs]
-    if not any(devices):
+    if not any(on_device(t) for t in inputs):
         return func(*args, **kwargs)  # host attention: the CPU's rules are the host's
-    fused = cuda_would_run_fused(c)
+    if isinstance(c.mask, CausalBias):
+        return _causal_bias(backend, func, c, args, kwargs)
+    fused = cuda_kernel(c) is not SDPBackend.MATH
     kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if fused else [SDPBackend.MATH]
     with sdpa_kernel(kernels):
         return call_through(backend, func, args, kwargs)
+
+
+def _causal_bias(
+    backend: SimBackend, func: Any, c: _Call, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A `torch.nn.attention.bias` mask, as its own `__torch_function__` dispatches it on CUDA: a
+    square or upper-left one is `is_causal=True`; a lower-right one runs on a fused kernel with
+    causal masking where flash or efficient would take the unmasked call, else with the mask
+    made on the device (its own code would make it with a device the CPU build refuses)."""
+    bias = c.mask
+    assert isinstance(bias, CausalBias)
+    if c.causal:
+        raise ValueError("CausalBias should not be used with causal=True")
+    named = dict(zip(_PARAMETERS, args[3:], strict=False)) | kwargs
+    if bias.seq_len_q == bias.seq_len_kv or bias.variant == CausalVariant.UPPER_LEFT:
+        causal = dict(named, attn_mask=None, is_causal=True)
+        return scaled_dot_product_attention(backend, func, args[:3], causal)
+    rows, cols = bias.seq_len_q, bias.seq_len_kv
+    mask = placement.factory(
+        backend, torch.ones, (rows, cols), {"dtype": torch.bool, "device": SIM_DEVICE}
+    ).tril(diagonal=cols - rows)
+    unmasked = dataclasses.replace(c, mask=None)
+    masked = dict(named, attn_mask=mask)
+    if any(_refusal(k, unmasked) is None for k in _ORDER[1:]):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+            return call_through(backend, func, args[:3], masked)
+    return scaled_dot_product_attention(backend, func, args[:3], masked)
+
+
+def patch_causal_bias_new() -> Callable[[], None]:
+    """`causal_lower_right(...)` and `causal_upper_left(...)` make a `CausalBias`, a tensor
+    subclass that torch's legacy constructor builds over an empty tensor. Made through the sim's
+    dispatch mode, that tensor came back with a Python object of its own, and torch then refused
+    to make it a `CausalBias` ("already associated to a python object"), so the documented
+    bottom-right causal mask could not be made on sim. It holds no data: made with the dispatch
+    modes set aside. Returns what puts torch's back."""
+
+    def new(cls: type, *args: Any) -> Any:
+        with _disable_current_modes():
+            return torch.Tensor.__new__(cls, *args)
+
+    CausalBias.__new__ = staticmethod(new)  # type: ignore[assignment,method-assign]
+
+    def restore() -> None:
+        del CausalBias.__new__
+
+    return restore
 
 
 HANDLERS: dict[Any, Callable[..., Any]] = {

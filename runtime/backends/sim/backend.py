@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
 from pytest_graphmode.runtime.backends.race import Race
+from pytest_graphmode.runtime.backends.sim.attention import patch_causal_bias_new
 from pytest_graphmode.runtime.backends.sim.capture import patch_custom_op_alias_check
 from pytest_graphmode.runtime.backends.sim.device import (
     SIM_DEVICE,
@@ -144,6 +145,7 @@ class SimBackend(Dispatching):
                 follow_new_threads(self),
                 patch_parameter_new(),
                 patch_custom_op_alias_check(),
+                patch_causal_bias_new(),
             ]
         self._activations += 1
 
