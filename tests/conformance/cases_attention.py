@@ -37,18 +37,20 @@ def _attend(
     lower_right: bool = False,
     causal: bool = False,
     autocast: torch.dtype | None = None,
+    kv_heads: int = 4,
 ) -> str:
     """One SDPA call with only `kernels` enabled: "ran, as math on the host computes it", "no
     kernel" or the efficient kernel's refusal of the mask; any other error escapes as the case's
     outcome."""
+    grouped = kv_heads != 4
     with backends.target_scope(be.name):
         g = torch.Generator().manual_seed(0)
         host = [
-            torch.randn(2, 4, n, d, generator=g).to(dtype)
-            for n, d in (
-                (queries, head_size),
-                (keys, head_size),
-                (keys, value_head_size or head_size),
+            torch.randn(2, h, n, d, generator=g).to(dtype)
+            for h, n, d in (
+                (4, queries, head_size),
+                (kv_heads, keys, head_size),
+                (kv_heads, keys, value_head_size or head_size),
             )
         ]
         attn_mask: Any = torch.rand(2, 1, queries, keys, generator=g) > 0.3 if mask else None
@@ -65,6 +67,7 @@ def _attend(
                 *(t.float() for t in host),
                 attn_mask=attn_mask.float() if additive_mask is not None else attn_mask,
                 is_causal=causal,
+                enable_gqa=grouped,
             )
         try:
             with warnings.catch_warnings():
@@ -72,12 +75,12 @@ def _attend(
                 with sdpa_kernel(kernels):
                     if autocast is None:
                         out = F.scaled_dot_product_attention(
-                            q, k, v, attn_mask=device_mask, is_causal=causal
+                            q, k, v, attn_mask=device_mask, is_causal=causal, enable_gqa=grouped
                         )
                     else:
                         with torch.autocast("cuda", dtype=autocast):
                             out = F.scaled_dot_product_attention(
-                                q, k, v, attn_mask=device_mask, is_causal=causal
+                                q, k, v, attn_mask=device_mask, is_causal=causal, enable_gqa=grouped
                             )
         except RuntimeError as exc:
             if "No available kernel" in str(exc):
@@ -140,6 +143,17 @@ def math_alone_runs_causal_with_fewer_queries_than_keys(be: Any) -> str:
 @case(RAN)
 def math_alone_runs_causal_square(be: Any) -> str:
     return _attend(be, [MATH], queries=5, causal=True)
+
+
+@case("no kernel")
+def efficient_alone_refuses_grouped_query_heads(be: Any) -> str:
+    # torch 2.11 on an H200 (2026-12-05); the efficient kernel of later sources takes them.
+    return _attend(be, [EFFICIENT], kv_heads=2)
+
+
+@case(RAN)
+def flash_alone_takes_grouped_query_heads(be: Any) -> str:
+    return _attend(be, [FLASH], kv_heads=2)
 
 
 @case("the kernel refuses the mask's dtype")
