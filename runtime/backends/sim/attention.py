@@ -10,11 +10,13 @@ torch runs SDPA with one of several kernels, the first in its order that the inp
 - the math kernel makes its causal mask with the query's options, a host tensor to the sim's
   dispatcher, and then refused to add it to the device scores.
 
-So the sim decides as torch on an sm90 GPU (H100, H200) does which kernels would take the call,
+So the sim decides as torch on an sm90 GPU (H100, H200) does which kernels would take the call
+(the rules of torch's `sdp_utils.cpp`, set where they differ by what an H200 with torch 2.11 took),
 raises CUDA's error with torch's warnings when none would, and otherwise computes on the CPU, with
 math where CUDA would run math and with the CPU's own choice where CUDA runs a fused kernel; the
 tensors the kernel makes inside are device tensors (`call_through`). Numerics follow the CPU's
-kernels, not the GPU's: what the sim checks is which calls run.
+kernels, not the GPU's: what the sim checks is which calls run. `torch.nn.attention.bias` masks
+(`causal_lower_right`) are made and dispatched as torch does on CUDA.
 """
 
 from __future__ import annotations
