@@ -61,9 +61,14 @@ class _Call:
         return (self.query, self.key, self.value)
 
 
+def _named(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments after query, key and value, by name."""
+    return dict(zip(_PARAMETERS, args[3:], strict=False)) | kwargs
+
+
 def _call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
-    query, key, value, *rest = args
-    named = dict(zip(_PARAMETERS, rest, strict=False)) | kwargs
+    query, key, value = args[:3]
+    named = _named(args, kwargs)
     dtype = query.dtype
     if dtype.is_floating_point and torch.is_autocast_enabled("cpu"):
         dtype = torch.get_autocast_dtype("cpu")  # the sim runs CUDA's autocast as the CPU's
@@ -162,25 +167,26 @@ def _last_dim_contiguous(c: _Call) -> str | None:
     return "All fused kernels require the last dimension of the input to have stride 1."
 
 
-def _heads_grouped(c: _Call) -> str | None:
-    return _heads(c, grouped=True)
+def _heads_alike(grouped: bool) -> Callable[[_Call], str | None]:
+    """Batch and heads alike; `grouped`: more query heads than key heads are taken under
+    `enable_gqa` (flash and cuDNN; the efficient kernel refused them on an H200 with torch
+    2.11)."""
 
+    def check(c: _Call) -> str | None:
+        q, k, v = c.tensors
+        if not q.shape[0] == k.shape[0] == v.shape[0]:
+            return "For dense inputs, both fused kernels require query, key and value to have the same batch_size."
+        hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
+        if hq == hk == hv or (grouped and c.gqa and hk == hv and hq % hk == 0):
+            return None
+        return (
+            "For dense input, both fused kernels require query, key and value to have the same "
+            f"num_heads. Query.sizes(): {tuple(q.shape)}, Key sizes(): {tuple(k.shape)}, Value "
+            f"sizes(): {tuple(v.shape)} instead. To broadcast dense inputs, try using unsqueeze "
+            "and expand_to before passing them into the kernel."
+        )
 
-def _heads(c: _Call, grouped: bool = False) -> str | None:
-    """Batch and heads alike; `grouped`: more query heads than key heads under `enable_gqa`
-    (flash and cuDNN; the efficient kernel refused it on an H200 with torch 2.11)."""
-    q, k, v = c.tensors
-    if not q.shape[0] == k.shape[0] == v.shape[0]:
-        return "For dense inputs, both fused kernels require query, key and value to have the same batch_size."
-    hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
-    if hq == hk == hv or (grouped and c.gqa and hk == hv and hq % hk == 0):
-        return None
-    return (
-        "For dense input, both fused kernels require query, key and value to have the same "
-        f"num_heads. Query.sizes(): {tuple(q.shape)}, Key sizes(): {tuple(k.shape)}, Value "
-        f"sizes(): {tuple(v.shape)} instead. To broadcast dense inputs, try using unsqueeze and "
-        "expand_to before passing them into the kernel."
-    )
+    return check
 
 
 def _cudnn_mask_shape(c: _Call) -> str | None:
@@ -220,7 +226,7 @@ _CONSTRAINTS: dict[SDPBackend, tuple[Callable[[_Call], str | None], ...]] = {
         _flash_head_dim,
         _square_if_causal,
         _dtype_in(_LOW_PRECISION),
-        _heads_grouped,
+        _heads_alike(grouped=True),
         _nonzero_lengths,
         _last_dim_contiguous,
     ),
@@ -230,7 +236,7 @@ _CONSTRAINTS: dict[SDPBackend, tuple[Callable[[_Call], str | None], ...]] = {
         _aligned_offsets,
         _nonzero_lengths,
         _last_dim_contiguous,
-        _heads,
+        _heads_alike(grouped=False),
         _dtype_in(_EFFICIENT_DTYPES),
     ),
     SDPBackend.CUDNN_ATTENTION: (
@@ -240,7 +246,7 @@ _CONSTRAINTS: dict[SDPBackend, tuple[Callable[[_Call], str | None], ...]] = {
         _cudnn_dropout,
         _nonzero_lengths,
         _last_dim_contiguous,
-        _heads_grouped,
+        _heads_alike(grouped=True),
         _cudnn_shapes,
     ),
 }
@@ -329,7 +335,7 @@ def _causal_bias(
     assert isinstance(bias, CausalBias)
     if c.causal:
         raise ValueError("CausalBias should not be used with causal=True")
-    named = dict(zip(_PARAMETERS, args[3:], strict=False)) | kwargs
+    named = _named(args, kwargs)
     if bias.seq_len_q == bias.seq_len_kv or bias.variant == CausalVariant.UPPER_LEFT:
         causal = dict(named, attn_mask=None, is_causal=True)
         return scaled_dot_product_attention(backend, func, args[:3], causal)

@@ -7,7 +7,6 @@ import torch
 
 from pytest_graphmode.runtime.backends.sim.access_notes import AccessNotes
 from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream, new_marker, new_wait
-from pytest_graphmode.runtime.backends.sim.sync_debug import warn_or_error_on_sync
 from pytest_graphmode.runtime.backends.sim.threads import serialized
 
 
@@ -101,9 +100,7 @@ class StreamsAndEvents(AccessNotes):
     @serialized
     def stream_synchronize(self, stream: SimStream) -> None:
         self._forbid_in_capture("Stream.synchronize()", stream)
-        warn_or_error_on_sync()
-        self.scheduler.drain(stream)
-        self._races.host_waits_for(self._races.agent(stream))
+        self._host_waits_for(stream)
 
     @serialized
     def host_read(self, what: str, t: torch.Tensor | None = None) -> None:

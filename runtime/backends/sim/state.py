@@ -72,7 +72,7 @@ class SimState:
     # Where the factory call being dispatched puts its result (True: the device), set by the
     # device mode for calls that name a device; None: decided by the operation's arguments.
     _placing: bool | None
-    # The arguments of the builtin torch call in progress (`DeviceMode.call`): the tensors its
+    # The arguments of the builtin torch call in progress (`device.call_through`): the tensors its
     # C++ makes inside, with its inputs' options, are device tensors when an input is one.
     _call_args: tuple[tuple[Any, ...], dict[str, Any]] | None
     _races: RaceChecker
