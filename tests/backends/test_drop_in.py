@@ -63,7 +63,10 @@ def test_torch_cuda_names_resolve_to_the_sim_inside() -> None:
         free, total = torch.cuda.mem_get_info()
         assert free <= total == SIM_MEMORY == torch.cuda.get_device_properties(0).total_memory
         allocated = torch.cuda.memory_allocated()
-        assert 0 <= allocated <= torch.cuda.max_memory_allocated() <= torch.cuda.memory_reserved()
+        assert (
+            0 <= allocated <= torch.cuda.max_memory_allocated() <= torch.cuda.max_memory_reserved()
+        )
+        assert allocated <= torch.cuda.memory_reserved()
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
@@ -518,7 +521,7 @@ def test_the_allocators_statistics_fraction_and_history_answer_as_torchs_do() ->
     host_snapshot = torch.cuda.memory._snapshot
     with drop_in():
         flat, nested = torch.cuda.memory_stats(), torch.cuda.memory_stats_as_nested_dict()
-        assert flat["requested_bytes.all.current"] == 0
+        assert 0 <= flat["requested_bytes.all.current"] <= flat["allocated_bytes.all.current"]
         assert (
             flat["allocated_bytes.large_pool.peak"]
             == nested["allocated_bytes"]["large_pool"]["peak"]

@@ -291,6 +291,19 @@ def stream_as_a_context_manager_and_its_priorities(be: Any) -> str:
     return f"{where}; priorities {least} to {'below 0' if greatest < 0 else greatest}"
 
 
+@case("range 0 to -3; asked for -1, -3, -10 and 3: given -1, -3, -3 and 0")
+def stream_priorities_clamp_to_torchs_range(be: Any) -> str:
+    # torch keeps stream pools of four priorities, fewer than a Hopper GPU offers: a runner that
+    # asks for the device's highest priority gets the highest of torch's.
+    with backends.target_scope(be.name):
+        least, greatest = torch.cuda.Stream.priority_range()
+        given = [torch.cuda.Stream(priority=p).priority for p in (-1, -3, -10, 3)]
+    return (
+        f"range {least} to {greatest}; asked for -1, -3, -10 and 3: "
+        f"given {given[0]}, {given[1]}, {given[2]} and {given[3]}"
+    )
+
+
 @case("raises ValueError")
 def elapsed_time_of_events_made_without_timing(be: Any) -> str:
     with backends.target_scope(be.name):

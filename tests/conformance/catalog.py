@@ -8,11 +8,13 @@ from tests.conformance import (
     cases_capture,
     cases_compile,
     cases_custom_ops,
+    cases_float8,
     cases_frees,
     cases_graph,
     cases_host,
     cases_inference,
     cases_lifetime,
+    cases_memory,
     cases_ops,
     cases_pools,
     cases_replay,
@@ -40,6 +42,8 @@ MODULES = (
     cases_custom_ops,
     cases_compile,
     cases_attention,
+    cases_memory,
+    cases_float8,
 )
 
 

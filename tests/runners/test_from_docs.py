@@ -178,6 +178,17 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # SDPA kernels chosen per path; the graph path's additive mask cached in per-step metadata
     # that the graph keeps, so every replay uses the warm-up's all-padding mask
     "sdpa_kernels_decode": "replay_matches_eager",
+    # ALiBi's key window sized from the capture batch's longest context, a Python int the graph
+    # keeps: a replay with longer contexts never sees the newest keys
+    "alibi_bias_decode": "replay_matches_eager",
+    # sliding-window layers' metadata filled in by the forward, not by `prepare`: a replay never
+    # runs that Python, so the window layers read stale (poisoned) block indices
+    "alternating_window_layers": "replay_matches_eager",
+    # the verify graphs' KV writes from host slot numbers: the capture's dummy slots, frozen in
+    "tree_spec_verify": "kv_writes_land",
+    # float8 linears with a dynamic per-tensor activation scale: on the graph path its amax also
+    # covers the padding rows, so a padded replay quantizes with another scale than eager
+    "fp8_scaled_linear": ("replay_matches_eager", "states_match"),
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
@@ -259,6 +270,8 @@ ON_CUDA["flashinfer_kv_layout"] = ("replay_matches_eager", "kv_writes_confined",
 # The scratch freed under the graphs holds whatever the allocator put there since: on the H200 a
 # replay's `index_copy_` read indices from it and tripped a device-side assert (2026-12-05, late).
 ON_CUDA["memory_profiled_capture"] = ("replay_matches_eager", "no_device_fault")
+# A poisoned window index is an exception on sim and a device-side assert on a GPU.
+ON_CUDA["alternating_window_layers"] = ("replay_matches_eager", "no_device_fault")
 LEADING = 10  # the campaign's fixed leading examples (fuzz/campaign.py)
 # vLLM's start-up profiling asserts that the GPU's free memory did not rise while it profiled,
 # which another process freeing memory on the same GPU breaks: on a GPU shared by eight pytest

@@ -30,7 +30,6 @@ from pytest_graphmode.runtime.backends.sim.attention import patch_causal_bias_ne
 from pytest_graphmode.runtime.backends.sim.capture import patch_custom_op_alias_check
 from pytest_graphmode.runtime.backends.sim.device import (
     SIM_DEVICE,
-    SIM_MEMORY,
     SimDeviceTensor,
     patch_parameter_new,
 )
@@ -39,6 +38,7 @@ from pytest_graphmode.runtime.backends.sim.dispatch import Dispatching
 from pytest_graphmode.runtime.backends.sim.frees import StreamOrderedFrees
 from pytest_graphmode.runtime.backends.sim.graphs import SimGraph
 from pytest_graphmode.runtime.backends.sim.happens_before import RaceChecker
+from pytest_graphmode.runtime.backends.sim.memory_ledger import DeviceMemory
 from pytest_graphmode.runtime.backends.sim.pool import SimPoolHandle
 from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream, StreamScheduler
 from pytest_graphmode.runtime.backends.sim.sync_debug import warn_or_error_on_sync
@@ -126,6 +126,7 @@ class SimBackend(Dispatching):
         self._frees = StreamOrderedFrees(
             self._races, self._races.agent(self._default), self._pinned
         )
+        self.memory = DeviceMemory()
 
     # -- activation ----------------------------------------------------------------------------
 
@@ -258,11 +259,14 @@ class SimBackend(Dispatching):
         return self.capturing_here() is not None
 
     def empty_cache(self) -> None:
-        """Nothing to give back: the sim's device memory is host memory, freed with its tensors."""
+        """Give back the reserved memory no tensor uses (memory_ledger.py): the host memory
+        itself went back when its tensors were freed."""
+        self.memory.empty_cache()
 
     def mem_get_info(self) -> tuple[int, int]:
-        """(free, total) bytes of device memory: the sim does not account it (`SIM_MEMORY`)."""
-        return SIM_MEMORY, SIM_MEMORY
+        """(free, total) bytes of device memory: the total less what the caching allocator
+        would hold (memory_ledger.py)."""
+        return self.memory.mem_get_info()
 
     @contextmanager
     def graph(

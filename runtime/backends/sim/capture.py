@@ -14,7 +14,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -25,6 +25,9 @@ from pytest_graphmode.runtime.backends.sim.device import POOLED, VIEW_OF, SimDev
 from pytest_graphmode.runtime.backends.sim.footprint import Footprint
 from pytest_graphmode.runtime.backends.sim.generators import CapturedDraws, philox_state
 from pytest_graphmode.runtime.backends.sim.pool import poison_
+
+if TYPE_CHECKING:
+    from pytest_graphmode.runtime.backends.sim.memory_ledger import DeviceMemory
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,10 +312,13 @@ class Capture:
         release: Callable[[Any, torch.Tensor], None],
         *,
         keeps_pinned: bool = False,
+        memory: DeviceMemory | None = None,
     ) -> None:
         """`keeps_pinned`: pinned host blocks allocated during the capture that a captured copy
-        reads or writes are the graph's for its life (`KEEPS_CAPTURED_PINNED_BLOCKS`)."""
+        reads or writes are the graph's for its life (`KEEPS_CAPTURED_PINNED_BLOCKS`).
+        `memory`: the ledger that counts the pool blocks the capture hands out."""
         self.pool = pool
+        self._memory = memory
         self._release = release
         self._keeps_pinned = keeps_pinned
         self._made_pinned: dict[int, weakref.ref[torch.UntypedStorage]] = {}
@@ -484,6 +490,8 @@ class Capture:
             # The block returns to the pool when the caller drops its tensor (and every view of it),
             # as a CUDA graph pool block does; the program's own handle does not keep it reserved.
             weakref.finalize(handed, self._release, self.pool, block)
+            if self._memory is not None and self._memory.counting:
+                self._memory.pooled(storage, handed, meta.nbytes)
             setattr(handed, POOLED, True)  # see keep_bases_of_views
             slot = self._bind(handed, self._new_slot(owned))
             self._owned.add(slot)

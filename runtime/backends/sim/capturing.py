@@ -54,7 +54,9 @@ class Capturing(StreamsAndEvents):
             )
         handle = self._resolve_pool(pool)
         self.scheduler.drain(origin)
-        capture = Capture(handle, _release_block, keeps_pinned=KEEPS_CAPTURED_PINNED_BLOCKS)
+        capture = Capture(
+            handle, _release_block, keeps_pinned=KEEPS_CAPTURED_PINNED_BLOCKS, memory=self.memory
+        )
         self._active = ActiveCapture(
             graph,
             capture,

@@ -30,7 +30,8 @@ SIM_DEVICE = torch.device("cuda", 0)
 """What sim tensors report as their device (`SimBackend.device`)."""
 
 SIM_MEMORY = 8 << 30
-"""The device memory the sim reports, free and total: it does not account device memory."""
+"""The device memory the sim reports as its total; free memory is this less what its memory
+ledger holds reserved (memory_ledger.py)."""
 
 CPU = torch.device("cpu")
 # not exported by torch.nn.parameter, so its stubs do not name it

@@ -62,7 +62,14 @@ class Dispatching(Capturing):
             if op.is_copy:
                 return self._cross(args, kwargs)
             self._check_host_operands(op, args, host)
+        if op.cuda_check is not None:
+            op.cuda_check(args, kwargs)  # raised at the call, also when queued or recorded
         result = mark_device(self._device_op(op, args, kwargs, tensors, bool(host)))
+        if self.memory.counting:
+            if op.allocates:
+                self.memory.made(result)
+            elif op.resizes:
+                self.memory.resized(args[0])
         if op.is_view and args:
             keep_bases_of_views(args[0], result)
         return result

@@ -52,13 +52,11 @@ from pytest_graphmode.runtime.backends.sim.stand_ins import (
     device_of,
     loader,
     memory_snapshot,
-    memory_summary,
     nothing,
     one_device,
     sleep,
     unsupported,
     use_mem_pool,
-    zero,
 )
 from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream
 from pytest_graphmode.runtime.backends.sim.sync_debug import (
@@ -145,6 +143,10 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
         one_device(device)
         backend.synchronize()
 
+    def empty_cache(device: Any = None) -> None:
+        one_device(device)
+        backend.empty_cache()
+
     def mem_get_info(device: Any = None) -> tuple[int, int]:
         one_device(device)
         return backend.mem_get_info()
@@ -207,22 +209,14 @@ def _surface(backend: SimBackend) -> dict[str, Any]:
         "synchronize": synchronize,
         "set_sync_debug_mode": set_sync_debug_mode,
         "get_sync_debug_mode": get_sync_debug_mode,
-        "empty_cache": nothing,
+        "empty_cache": empty_cache,
         "mem_get_info": mem_get_info,
-        **memory_query_surface(),
-        "memory_summary": memory_summary,
+        **memory_query_surface(backend.memory),
         "memory_snapshot": memory_snapshot,
         "utilization": unsupported("torch.cuda.utilization (NVML)"),
         "temperature": unsupported("torch.cuda.temperature (NVML)"),
         "power_draw": unsupported("torch.cuda.power_draw (NVML)"),
         "clock_rate": unsupported("torch.cuda.clock_rate (NVML)"),
-        "memory_allocated": zero,
-        "max_memory_allocated": zero,
-        "memory_reserved": zero,
-        "max_memory_reserved": zero,
-        "reset_peak_memory_stats": nothing,
-        "reset_max_memory_allocated": nothing,
-        "reset_accumulated_memory_stats": nothing,
         "manual_seed": manual_seed,
         "manual_seed_all": manual_seed,
         "seed": torch.seed,

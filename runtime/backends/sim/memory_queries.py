@@ -1,16 +1,18 @@
 """torch.cuda's questions about the caching allocator, answered on the sim.
 
-The sim's device memory is host memory, which it does not account (`SIM_MEMORY` free of
-`SIM_MEMORY`), so every count is 0. The answers keep torch's shapes all the same: a runner that
-reads `memory_stats()["requested_bytes.all.current"]`, sets a memory fraction or records the
-allocator's history before it profiles, as serving engines do, runs on; a raw allocation from the
-allocator, which hands out an address, is refused by name.
+The counts come from the sim's memory ledger (memory_ledger.py): what CUDA's allocator would hold
+for the device tensors alive, reserved memory, peaks and the driver's free memory. The answers keep
+torch's names and shapes: a runner that reads `memory_stats()["allocated_bytes.all.peak"]`, sets a
+memory fraction or records the allocator's history before it profiles, as serving engines do, runs
+on; a raw allocation from the allocator, which hands out an address, is refused by name. Segments,
+splits, retries and out-of-memory events are not modelled: their counts stay 0.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pytest_graphmode.runtime.backends.sim.memory_ledger import DeviceMemory
 from pytest_graphmode.runtime.backends.sim.stand_ins import one_device, unsupported
 
 # torch's statistics of the caching allocator (torch.cuda.memory_stats' documentation).
@@ -37,29 +39,73 @@ _SCALARS = (
 )
 
 
-def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
-    one_device(device)
-    counts = dict.fromkeys(_COUNTS, 0)
-    pools = {pool: dict(counts) for pool in ("all", "large_pool", "small_pool")}
-    nested: dict[str, Any] = {name: {p: dict(c) for p, c in pools.items()} for name in _POOLED}
-    nested.update({name: dict(counts) for name in _UNPOOLED})
-    nested.update(dict.fromkeys(_SCALARS, 0))
-    return nested
+class MemoryQueries:
+    """torch.cuda's memory queries over one ledger."""
 
+    def __init__(self, memory: DeviceMemory) -> None:
+        self.memory = memory
 
-def memory_stats(device: Any = None) -> dict[str, int]:
-    """The nested statistics flattened as torch flattens them ("allocated_bytes.all.peak")."""
-    flat: dict[str, int] = {}
+    def stats_as_nested_dict(self, device: Any = None) -> dict[str, Any]:
+        one_device(device)
+        counts = dict.fromkeys(_COUNTS, 0)
+        pools = {pool: dict(counts) for pool in ("all", "large_pool", "small_pool")}
+        nested: dict[str, Any] = {name: {p: dict(c) for p, c in pools.items()} for name in _POOLED}
+        nested.update(self.memory.nested_stats())
+        nested.update({name: dict(counts) for name in _UNPOOLED})
+        nested.update(dict.fromkeys(_SCALARS, 0))
+        return nested
 
-    def add(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key, inner in value.items():
-                add(f"{prefix}.{key}" if prefix else key, inner)
-        else:
-            flat[prefix] = value
+    def stats(self, device: Any = None) -> dict[str, int]:
+        """The nested statistics flattened as torch flattens them ("allocated_bytes.all.peak")."""
+        flat: dict[str, int] = {}
 
-    add("", memory_stats_as_nested_dict(device))
-    return dict(sorted(flat.items()))
+        def add(prefix: str, value: Any) -> None:
+            if isinstance(value, dict):
+                for key, inner in value.items():
+                    add(f"{prefix}.{key}" if prefix else key, inner)
+            else:
+                flat[prefix] = value
+
+        add("", self.stats_as_nested_dict(device))
+        return dict(sorted(flat.items()))
+
+    def allocated(self, device: Any = None) -> int:
+        one_device(device)
+        return self.memory.allocated()
+
+    def max_allocated(self, device: Any = None) -> int:
+        one_device(device)
+        return self.memory.max_allocated()
+
+    def reserved(self, device: Any = None) -> int:
+        one_device(device)
+        return self.memory.reserved()
+
+    def max_reserved(self, device: Any = None) -> int:
+        one_device(device)
+        return self.memory.max_reserved()
+
+    def reset_peaks(self, device: Any = None) -> None:
+        one_device(device)
+        self.memory.reset_peaks()
+
+    def reset_accumulated(self, device: Any = None) -> None:
+        one_device(device)
+        self.memory.reset_accumulated()
+
+    def summary(self, device: Any = None, abbreviated: bool = False) -> str:
+        """The counts torch's summary opens with; the sim has no segments to list."""
+        one_device(device)
+        memory = self.memory
+        mib = 1 << 20
+        return (
+            "pytest-graphmode sim: device memory is host memory, counted as CUDA's caching "
+            "allocator would count it\n"
+            f"Allocated memory: {memory.allocated() / mib:.2f} MiB "
+            f"(peak {memory.max_allocated() / mib:.2f} MiB)\n"
+            f"Reserved memory: {memory.reserved() / mib:.2f} MiB "
+            f"(peak {memory.max_reserved() / mib:.2f} MiB)\n"
+        )
 
 
 class MemoryFraction:
@@ -93,12 +139,21 @@ def allocator_snapshot(*args: Any, **kwargs: Any) -> dict[str, Any]:
     return {"segments": [], "device_traces": [[]]}
 
 
-def memory_query_surface() -> dict[str, Any]:
+def memory_query_surface(memory: DeviceMemory) -> dict[str, Any]:
     """torch.cuda's names of these (torch.cuda.memory holds the same ones)."""
     fraction = MemoryFraction()
+    queries = MemoryQueries(memory)
     return {
-        "memory_stats": memory_stats,
-        "memory_stats_as_nested_dict": memory_stats_as_nested_dict,
+        "memory_stats": queries.stats,
+        "memory_stats_as_nested_dict": queries.stats_as_nested_dict,
+        "memory_allocated": queries.allocated,
+        "max_memory_allocated": queries.max_allocated,
+        "memory_reserved": queries.reserved,
+        "max_memory_reserved": queries.max_reserved,
+        "reset_peak_memory_stats": queries.reset_peaks,
+        "reset_max_memory_allocated": queries.reset_peaks,
+        "reset_accumulated_memory_stats": queries.reset_accumulated,
+        "memory_summary": queries.summary,
         "set_per_process_memory_fraction": fraction.set,
         "get_per_process_memory_fraction": fraction.get,
         "get_allocator_backend": allocator_backend,

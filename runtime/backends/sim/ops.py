@@ -16,6 +16,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from pytest_graphmode.runtime.backends.sim.device import on_device
+from pytest_graphmode.runtime.backends.sim.float8 import CUDA_ARGUMENT_CHECKS
 
 aten = torch.ops.aten
 
@@ -105,6 +106,7 @@ _ARGUMENT_CHECKED = {
     *_VALUE_READ_ON_THE_HOST,
 }
 _MASK_DTYPES = (torch.bool, torch.uint8)
+_RESIZES = {aten.resize_.default, aten.resize_as_.default}
 
 
 class OpFacts:
@@ -122,6 +124,7 @@ class OpFacts:
         "changes_metadata",
         "composite",
         "constant",
+        "cuda_check",
         "draws",
         "empty",
         "fresh_positions",
@@ -133,6 +136,7 @@ class OpFacts:
         "name",
         "python_kernel",
         "quiet",
+        "resizes",
         "return_count",
         "runnable",
         "violation",
@@ -162,6 +166,10 @@ class OpFacts:
         )
         # The operation makes a fresh tensor (a factory, or any op with a non-aliasing return).
         self.allocates = self.empty or bool(self.fresh_positions)
+        # Grows its first argument's storage in place, where CUDA allocates a larger block.
+        self.resizes = func in _RESIZES
+        # CUDA's own argument checks, where its kernel refuses what the CPU's takes
+        self.cuda_check = CUDA_ARGUMENT_CHECKS.get(func)
         self.violation = _operation_violation(func)
         self.argument_checked = func in _ARGUMENT_CHECKED
         self.indexing = func in INDEXING

@@ -26,9 +26,9 @@ from pytest_graphmode.runtime.backends.sim.generators import (
 from pytest_graphmode.runtime.backends.sim.limits import SimUnsupportedError
 from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream
 
-"""The device memory the drop-in reports (`mem_get_info`, `get_device_properties`), in bytes. The
-sim does not account device memory: a runner that sizes its KV cache from free memory gets this
-much, as plain host memory."""
+"""The device memory the drop-in reports (`mem_get_info`'s total, `get_device_properties`), in
+bytes. Free memory is this less what the sim's memory ledger holds reserved (memory_ledger.py): a
+runner that sizes its KV cache from free memory gets about this much, as plain host memory."""
 
 
 class SimGenerator(torch._C.Generator):
@@ -324,18 +324,8 @@ def _mover(where: Callable[[torch.Tensor], Any]) -> Callable[[Any], Any]:
     return move
 
 
-def zero(device: Any = None) -> int:
-    one_device(device)
-    return 0
-
-
 def nothing(*args: Any, **kwargs: Any) -> None:
     return None
-
-
-def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
-    one_device(device)
-    return "pytest-graphmode sim: device memory is host memory, and the sim does not account it\n"
 
 
 def memory_snapshot(*args: Any, **kwargs: Any) -> list[Any]:

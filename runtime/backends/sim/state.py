@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from pytest_graphmode.runtime.backends.sim.frees import StreamOrderedFrees
     from pytest_graphmode.runtime.backends.sim.graphs import SimGraph
     from pytest_graphmode.runtime.backends.sim.happens_before import RaceChecker
+    from pytest_graphmode.runtime.backends.sim.memory_ledger import DeviceMemory
     from pytest_graphmode.runtime.backends.sim.streams import StreamScheduler
     from pytest_graphmode.runtime.backends.sim.threads import SimThreads, ThreadStreams
 
@@ -77,6 +78,8 @@ class SimState:
     _call_args: tuple[tuple[Any, ...], dict[str, Any]] | None
     _races: RaceChecker
     _frees: StreamOrderedFrees
+    # What torch.cuda's caching allocator would count of the device tensors (memory_ledger.py)
+    memory: DeviceMemory
 
     @property
     def is_active(self) -> bool:

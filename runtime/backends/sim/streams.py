@@ -146,6 +146,10 @@ _ONE_PROCESS = (
 )
 
 
+# The highest priority torch gives a stream (lower numbers are higher priorities).
+_GREATEST_PRIORITY = -3
+
+
 class SimStream:
     """A queue of device work, shaped like torch.cuda.Stream."""
 
@@ -169,7 +173,9 @@ class SimStream:
                 "torch.cuda.Stream()",
             )
         self._backend = _backend or current_backend()
-        self.priority = priority
+        # torch keeps streams of four priorities (0 to -3) and gives the nearest of them
+        # (measured on an H100 with torch 2.11, whose device reports 0 to -5).
+        self.priority = min(0, max(_GREATEST_PRIORITY, priority))
         self.stream_id = next(_stream_ids)
         self._blocks: list[Any] = []  # the `with` blocks open on this stream, innermost last
 
@@ -213,8 +219,9 @@ class SimStream:
 
     @staticmethod
     def priority_range() -> tuple[int, int]:
-        """(least, greatest) priority, as a GPU of compute capability 9.0 reports them."""
-        return 0, -5
+        """(least, greatest) priority, as torch reports them on a GPU of compute capability 9.0:
+        the priorities of its own stream pools, not the device's wider range."""
+        return 0, _GREATEST_PRIORITY
 
     def __enter__(self) -> SimStream:
         # `with torch.cuda.Stream() as s:` is `with torch.cuda.stream(s):`.
