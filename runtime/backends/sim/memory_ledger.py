@@ -7,8 +7,8 @@ that the driver's free memory fell while it profiled. The ledger counts what CUD
 
 - **Allocated**: every device storage an operation makes, from the operation until torch frees it,
   rounded up to 512 bytes as the caching allocator rounds (a storage of no bytes takes none), in
-  the small pool up to 1 MiB and the large pool above; a `resize_` that grows a storage adds the
-  difference. Views, aliases and in-place writes allocate nothing. A capture's outputs are blocks
+  the small pool up to 1 MiB and the large pool above; a storage that `resize_` grows counts its
+  new size. Views, aliases and in-place writes allocate nothing. A capture's outputs are blocks
   of the graph's pool: each counts while the program holds it.
 - **Peak**: the most allocated at once since the last `reset_peak_memory_stats()`.
 - **Reserved**, in the allocator's segments: small blocks come out of 2 MiB segments, blocks
@@ -20,9 +20,9 @@ that the driver's free memory fell while it profiled. The ledger counts what CUD
 
 The ledger counts from the program's first question about memory (a count, `mem_get_info`,
 `empty_cache`, a reset): what was allocated before is not in the counts, where CUDA's would hold
-it, so counts start at 0 and differences (what an engine measures) are exact. Counting costs each
-allocation of the sim's device a few percent of its time, which runners that never ask, the
-harness's own among them, do not pay.
+it, so counts start at 0 and differences (what an engine measures) are exact. Counting costs an
+operation of the sim's device that allocates about a seventh more time (docs/backends.md), which
+runners that never ask, the harness's own among them, do not pay.
 
 A storage is forgotten when torch frees it (a weak reference's callback). Callbacks may come from
 any thread, so they only queue what they free, and the ledger settles the queue before it counts.
