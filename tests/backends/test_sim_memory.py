@@ -165,6 +165,24 @@ def test_segments_reserve_as_the_caching_allocator_does() -> None:
         assert torch.cuda.memory_reserved() == 0
 
 
+def test_a_storage_emptied_in_place_is_seen_at_the_next_question() -> None:
+    # `untyped_storage().resize_` passes no operation the sim sees; a view keeps the storage.
+    with _fresh_ledger(), drop_in():
+        x = torch.empty(4 * _MIB, dtype=torch.uint8, device="cuda")
+        view = x[1:]
+        assert torch.cuda.memory_allocated() == 0  # made before the first question
+        y = torch.empty(4 * _MIB, dtype=torch.uint8, device="cuda")
+        y.untyped_storage().resize_(0)
+        assert torch.cuda.memory_allocated() == 0
+        y.untyped_storage().resize_(2 * _MIB)
+        assert torch.cuda.memory_allocated() == 2 * _MIB
+        y.untyped_storage().resize_(3 * _MIB)
+        assert torch.cuda.memory_allocated() == 3 * _MIB
+        del y
+        assert torch.cuda.memory_allocated() == 0
+        del x, view
+
+
 def test_vllm_strict_profiling_check_passes_on_sim() -> None:
     # vLLM <= 0.11 asserts that the driver's free memory fell while it loaded and profiled. With a
     # constant free memory the sim failed this correct start-up with "Error in memory profiling".

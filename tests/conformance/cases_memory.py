@@ -135,3 +135,20 @@ def mid_sized_blocks_share_a_20_mib_segment(be: Any) -> str:
         return (
             f"a 3 MiB block reserves {first} MiB; a second one reserves {second or 'nothing'} more"
         )
+
+
+@case("-16 MiB when its storage is resized to nothing, +16 MiB when resized back")
+def a_storage_resized_in_place_frees_and_takes_its_block(be: Any) -> str:
+    # FSDP and sleep modes free memory under live tensors this way; no tensor operation runs.
+    with backends.target_scope(be.name):
+        _settled()
+        x = torch.empty(16 * _MIB, dtype=torch.uint8, device=be.device)
+        held = torch.cuda.memory_allocated()
+        x.untyped_storage().resize_(0)
+        emptied = (torch.cuda.memory_allocated() - held) // _MIB
+        x.untyped_storage().resize_(16 * _MIB)
+        back = (torch.cuda.memory_allocated() - held) // _MIB - emptied
+        del x
+        return (
+            f"{emptied} MiB when its storage is resized to nothing, +{back} MiB when resized back"
+        )

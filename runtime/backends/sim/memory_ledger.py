@@ -26,6 +26,10 @@ runners that never ask, the harness's own among them, do not pay.
 
 A storage is forgotten when torch frees it (a weak reference's callback). Callbacks may come from
 any thread, so they only queue what they free, and the ledger settles the queue before it counts.
+A storage resized by its own method (`untyped_storage().resize_(0)`, how FSDP and sleep modes
+free memory under live tensors) passes no operation the sim sees: each question looks at the
+sizes of the storages counted, and counts a changed one anew (a peak between two questions that
+only such a resize made is missed).
 """
 
 from __future__ import annotations
@@ -98,6 +102,8 @@ class DeviceMemory:
         self.counting = False
         self._live: dict[int, _Held] = {}
         self._freed: deque[_Held] = deque()
+        # Counted storages resized to nothing in place, watched for growing again.
+        self._emptied: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._all, self._small, self._large = [0] * 12, [0] * 12, [0] * 12
         self._reserved = {pool: [0] * 4 for pool in _POOLS}
         # The large pool's live bytes in shared 20 MiB segments, and in segments of their own.
@@ -214,22 +220,45 @@ class DeviceMemory:
             else:
                 self._mid -= held.size
 
+    def _resized_in_place(self) -> None:
+        """Count anew the storages whose size changed since they were counted (module
+        docstring): asked before each answer, never on an operation's path."""
+        self._settle()
+        for key, held in list(self._live.items()):
+            storage = held()
+            if not held.requested or not isinstance(storage, torch.UntypedStorage):
+                continue  # a graph pool's storage or block
+            requested = storage.nbytes()
+            if requested != held.requested:
+                del self._live[key]
+                self._forget(held)
+                if requested:
+                    self._add(storage, key, requested)
+                else:
+                    self._emptied[key] = weakref.ref(storage)
+        for key, ref in list(self._emptied.items()):
+            storage = ref()
+            if storage is None or storage._cdata != key or storage.nbytes():
+                del self._emptied[key]
+                if storage is not None and storage._cdata == key and key not in self._live:
+                    self._add(storage, key, storage.nbytes())  # grown again
+
     # -- what the program asks ------------------------------------------------------------------
 
     def allocated(self) -> int:
-        self._settle()
+        self._resized_in_place()
         return self._all[0]
 
     def max_allocated(self) -> int:
-        self._settle()
+        self._resized_in_place()
         return self._all[3]
 
     def reserved(self) -> int:
-        self._settle()
+        self._resized_in_place()
         return self._reserved["all"][0]
 
     def max_reserved(self) -> int:
-        self._settle()
+        self._resized_in_place()
         return self._reserved["all"][1]
 
     def mem_get_info(self) -> tuple[int, int]:
@@ -238,7 +267,7 @@ class DeviceMemory:
 
     def empty_cache(self) -> None:
         """Give back the segments no live block needs."""
-        self._settle()
+        self._resized_in_place()
         for pool in ("small_pool", "large_pool"):
             unused = self._reserved[pool][0] - self._segments(pool)
             if unused > 0:
@@ -246,14 +275,14 @@ class DeviceMemory:
                 _release(self._reserved["all"], unused)
 
     def reset_peaks(self) -> None:
-        self._settle()
+        self._resized_in_place()
         for counts in self._by_pool().values():
             counts[3:6] = counts[0:3]
         for reserved in self._reserved.values():
             reserved[1] = reserved[0]
 
     def reset_accumulated(self) -> None:
-        self._settle()
+        self._resized_in_place()
         for counts in self._by_pool().values():
             counts[6:12] = [0] * 6
         for reserved in self._reserved.values():
@@ -266,7 +295,7 @@ class DeviceMemory:
         """The pooled statistics this ledger keeps, in `memory_stats_as_nested_dict`'s shape
         ("active" as "allocation", "active_bytes" as "allocated_bytes": no block is allocated
         and inactive on the sim)."""
-        self._settle()
+        self._resized_in_place()
         nested: dict[str, dict[str, dict[str, int]]] = {}
         for i, kind in enumerate(_KINDS):
             nested[kind] = {
