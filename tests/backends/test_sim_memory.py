@@ -90,11 +90,11 @@ def test_a_grown_storage_counts_its_new_size_and_a_shrunk_one_keeps_its_block() 
 
 
 def test_pool_storage_is_never_counted_only_the_blocks_a_capture_hands_out() -> None:
-    be = backends.get("sim")
     with drop_in():
         x = torch.ones(1000, device="cuda")
         pool = torch.cuda.graph_pool_handle()
         start = _settled()
+        blocks = torch.cuda.memory_stats()["allocation.all.current"]
         outs, graphs = [], []
         for _ in range(3):  # three captures share the pool's first chunk
             g = torch.cuda.CUDAGraph()
@@ -102,14 +102,13 @@ def test_pool_storage_is_never_counted_only_the_blocks_a_capture_hands_out() -> 
                 outs.append(x * 2 + 1)
             graphs.append(g)
         assert torch.cuda.memory_allocated() - start == 3 * 4096
-        assert torch.cuda.memory_stats()["allocation.all.current"] >= 3
+        assert torch.cuda.memory_stats()["allocation.all.current"] == blocks + 3
         outs.clear()
         gc.collect()
         assert torch.cuda.memory_allocated() == start
         graphs.clear()
         del pool
         assert _settled() == start
-    assert be.mem_get_info()[1] == SIM_MEMORY
 
 
 def test_frees_in_another_thread_are_counted_once_settled() -> None:
@@ -198,5 +197,4 @@ def test_vllm_strict_profiling_check_passes_on_sim() -> None:
         assert runner.weights_memory > 0
         assert runner.graph_memory >= 0
         assert runner.kv_budget["profiled_blocks"] >= memory_profiled_capture.SPEC.num_blocks
-    del runner
-    assert be.mem_get_info()[0] <= SIM_MEMORY
+        assert be.mem_get_info()[0] < SIM_MEMORY  # its weights, cache and graphs hold segments

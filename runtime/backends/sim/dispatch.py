@@ -266,9 +266,10 @@ class Dispatching(Capturing):
     def _check_host_operands(
         self, op: OpFacts, args: tuple[Any, ...], host: list[torch.Tensor]
     ) -> None:
-        """A device operation accepts host tensors only as 0-dim operands (kernel arguments) and,
-        as torch does on CUDA, as the indices of advanced indexing, which it copies to the device
-        first: a capture refuses that copy."""
+        """A device operation accepts host tensors only as 0-dim operands (kernel arguments) of
+        operators that take them (`OpFacts.host_scalars`) and, as torch does on CUDA, as the
+        indices of advanced indexing, which it copies to the device first: a capture refuses
+        that copy."""
         if op.indexing and all(any(t is i for i in ops.flat(args[1])) for t in host):
             active = self.capturing_here()
             if active is not None:
@@ -313,7 +314,7 @@ _SCALAR_TENSOR = torch.ops.aten.scalar_tensor.default
 
 def _check_host_operands(op: OpFacts, host: list[torch.Tensor]) -> None:
     for t in host:
-        if t.dim() != 0:
+        if t.dim() != 0 or not op.host_scalars:
             raise RuntimeError(
                 "Expected all tensors to be on the same device, but found at least two devices, "
                 f"{SIM_DEVICE} and cpu! ({op.name} got a host tensor of shape "

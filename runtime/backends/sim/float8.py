@@ -7,11 +7,11 @@ the inner size and both of the second matrix's sizes multiples of 16, and not bo
 float8 e5m2. Nor does it take a scale or a bias on the host, even a 0-dim one: the operator is
 not one of TensorIterator's, whose kernels read a 0-dim host tensor as a number, so torch checks
 that every tensor argument is on the device. A runner that broke one of these passed on sim and
-raised on a GPU. The
-sim now raises CUDA's error at the call, as CUDA checks on the host before it launches, also
-when the call is queued on a side stream or recorded in a capture. The messages are torch 2.11's
-on an H100 (docs/gpu-runs.md, 2026-12-05, evening); the scaling checks are left to the CPU
-kernel, which refuses the same calls with its own words.
+raised on a GPU. The sim now raises CUDA's error at the call, as CUDA checks on the host before
+it launches, also when the call is queued on a side stream or recorded in a capture: here for
+layouts, sizes and e5m2, in torch 2.11's words on an H100 (docs/gpu-runs.md, 2026-12-05,
+evening); for a host operand in the sim's host-operand check (`OpFacts.host_scalars`). The
+scaling checks are left to the CPU kernel, which refuses the same calls with its own words.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from pytest_graphmode.runtime.backends.sim.device import SIM_DEVICE, SimDeviceTensor
 
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -33,23 +31,11 @@ def _column_major(t: torch.Tensor) -> bool:
     return t.stride(0) == 1 and t.stride(1) >= max(1, t.size(0))
 
 
-# `_scaled_mm`'s tensor arguments after the two matrices, in its schema's order.
-_OPERANDS = ("scale_a", "scale_b", "bias", "scale_result")
-
-
 def check_scaled_mm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    first, second = (*args, kwargs.get("self"), kwargs.get("mat2"))[:2]
+    named = dict(zip(("self", "mat2"), args, strict=False)) | kwargs
+    first, second = named.get("self"), named.get("mat2")
     if not (isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)):
         return
-    named = dict(zip(("self", "mat2", *_OPERANDS), args, strict=False)) | kwargs
-    for name in ("self", "mat2", *_OPERANDS):
-        value = named.get(name)
-        if isinstance(value, torch.Tensor) and not isinstance(value, SimDeviceTensor):
-            raise RuntimeError(
-                f"Expected all tensors to be on the same device, but got {name} is on cpu, "
-                f"different from other tensors on {SIM_DEVICE} (when checking argument in method "
-                "wrapper_CUDA___scaled_mm)"
-            )
     if first.dim() != 2 or second.dim() != 2:
         return  # the CPU kernel refuses these as CUDA's does
     if first.dtype not in _FLOAT8 or second.dtype not in _FLOAT8:

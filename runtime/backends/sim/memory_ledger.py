@@ -59,16 +59,19 @@ _COUNTS = ("current", "peak", "allocated", "freed")
 
 
 class _Held(weakref.ref):  # type: ignore[type-arg]
-    """A device storage (or a graph pool's block) the ledger counts: its key, its size rounded as
-    the allocator rounds it, the size asked for, and whether it is in the small pool."""
+    """A device storage (or a graph pool's block) the ledger counts: its key, the size asked for
+    and its size rounded as the allocator rounds it (which decides its pool and segment)."""
 
-    __slots__ = ("key", "requested", "segment", "size", "small")
+    __slots__ = ("key", "requested", "size")
 
     key: int
     requested: int
     size: int
-    small: bool
-    segment: int  # bytes of a segment of its own (a block of 10 MiB or more), else 0
+
+
+def _own_segment(size: int) -> int:
+    """The segment a large block has to itself (10 MiB or more), else 0: it shares one."""
+    return -(-size // _LARGE_ROUND) * _LARGE_ROUND if size >= _MID else 0
 
 
 def _allocate(counts: list[int], size: int, requested: int) -> None:
@@ -131,11 +134,8 @@ class DeviceMemory:
         held = self._live.get(storage._cdata)
         if held is None or held() is not storage:
             self._count(storage)
-            return
-        if storage.nbytes() > held.requested:
-            del self._live[held.key]
-            self._forget(held)
-            self._count(storage)
+        elif storage.nbytes() > held.requested:
+            self._recount(held, storage)
 
     def _count(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
@@ -159,7 +159,6 @@ class DeviceMemory:
         if held is None or held() is not storage:
             marker = self._live[key] = _Held(storage, self._freed.append)
             marker.key, marker.requested, marker.size = key, 0, 0
-            marker.small, marker.segment = True, 0
         if nbytes:
             self._add(block, -id(block), nbytes)
 
@@ -168,20 +167,29 @@ class DeviceMemory:
         held.key = key
         held.requested = requested
         held.size = size = -(-requested // _ROUND) * _ROUND
-        held.small = small = size <= _SMALL
-        held.segment = 0
         self._live[key] = held
         _allocate(self._all, size, requested)
-        if small:
+        if size <= _SMALL:
             _allocate(self._small, size, requested)
+            self._grow_reserved("small_pool")
+            return
+        _allocate(self._large, size, requested)
+        own = _own_segment(size)
+        if own:
+            self._own += own
         else:
-            _allocate(self._large, size, requested)
-            if size < _MID:
-                self._mid += size
-            else:
-                held.segment = -(-size // _LARGE_ROUND) * _LARGE_ROUND
-                self._own += held.segment
-        self._grow_reserved("small_pool" if small else "large_pool")
+            self._mid += size
+        self._grow_reserved("large_pool")
+
+    def _recount(self, held: _Held, storage: torch.UntypedStorage) -> None:
+        """`storage` has another size than `held` counted: count it anew (no longer, if none)."""
+        del self._live[held.key]
+        self._forget(held)
+        requested = storage.nbytes()
+        if requested:
+            self._add(storage, held.key, requested)
+        else:
+            self._emptied[held.key] = weakref.ref(storage)
 
     def _segments(self, pool: str) -> int:
         """The least the pool's segments can hold its live blocks in: small blocks packed into
@@ -210,32 +218,28 @@ class DeviceMemory:
     def _forget(self, held: _Held) -> None:
         if not held.requested:
             return  # a graph pool's storage (`pooled`): its blocks count
-        _free(self._all, held.size, held.requested)
-        if held.small:
-            _free(self._small, held.size, held.requested)
+        size = held.size
+        _free(self._all, size, held.requested)
+        if size <= _SMALL:
+            _free(self._small, size, held.requested)
+            return
+        _free(self._large, size, held.requested)
+        own = _own_segment(size)
+        if own:
+            self._own -= own
         else:
-            _free(self._large, held.size, held.requested)
-            if held.segment:
-                self._own -= held.segment
-            else:
-                self._mid -= held.size
+            self._mid -= size
 
     def _resized_in_place(self) -> None:
         """Count anew the storages whose size changed since they were counted (module
         docstring): asked before each answer, never on an operation's path."""
         self._settle()
-        for key, held in list(self._live.items()):
+        for held in list(self._live.values()):
             storage = held()
             if not held.requested or not isinstance(storage, torch.UntypedStorage):
                 continue  # a graph pool's storage or block
-            requested = storage.nbytes()
-            if requested != held.requested:
-                del self._live[key]
-                self._forget(held)
-                if requested:
-                    self._add(storage, key, requested)
-                else:
-                    self._emptied[key] = weakref.ref(storage)
+            if storage.nbytes() != held.requested:
+                self._recount(held, storage)
         for key, ref in list(self._emptied.items()):
             storage = ref()
             if storage is None or storage._cdata != key or storage.nbytes():

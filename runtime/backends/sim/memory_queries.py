@@ -10,6 +10,7 @@ splits, retries and out-of-memory events are not modelled: their counts stay 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pytest_graphmode.runtime.backends.sim.memory_ledger import DeviceMemory
@@ -69,30 +70,6 @@ class MemoryQueries:
         add("", self.stats_as_nested_dict(device))
         return dict(sorted(flat.items()))
 
-    def allocated(self, device: Any = None) -> int:
-        one_device(device)
-        return self.memory.allocated()
-
-    def max_allocated(self, device: Any = None) -> int:
-        one_device(device)
-        return self.memory.max_allocated()
-
-    def reserved(self, device: Any = None) -> int:
-        one_device(device)
-        return self.memory.reserved()
-
-    def max_reserved(self, device: Any = None) -> int:
-        one_device(device)
-        return self.memory.max_reserved()
-
-    def reset_peaks(self, device: Any = None) -> None:
-        one_device(device)
-        self.memory.reset_peaks()
-
-    def reset_accumulated(self, device: Any = None) -> None:
-        one_device(device)
-        self.memory.reset_accumulated()
-
     def summary(self, device: Any = None, abbreviated: bool = False) -> str:
         """The counts torch's summary opens with; the sim has no segments to list."""
         one_device(device)
@@ -139,6 +116,16 @@ def allocator_snapshot(*args: Any, **kwargs: Any) -> dict[str, Any]:
     return {"segments": [], "device_traces": [[]]}
 
 
+def _on_the_device(answer: Callable[[], Any]) -> Callable[..., Any]:
+    """torch.cuda's form of a ledger's answer: one optional argument, the sim's one device."""
+
+    def ask(device: Any = None) -> Any:
+        one_device(device)
+        return answer()
+
+    return ask
+
+
 def memory_query_surface(memory: DeviceMemory) -> dict[str, Any]:
     """torch.cuda's names of these (torch.cuda.memory holds the same ones)."""
     fraction = MemoryFraction()
@@ -146,13 +133,13 @@ def memory_query_surface(memory: DeviceMemory) -> dict[str, Any]:
     return {
         "memory_stats": queries.stats,
         "memory_stats_as_nested_dict": queries.stats_as_nested_dict,
-        "memory_allocated": queries.allocated,
-        "max_memory_allocated": queries.max_allocated,
-        "memory_reserved": queries.reserved,
-        "max_memory_reserved": queries.max_reserved,
-        "reset_peak_memory_stats": queries.reset_peaks,
-        "reset_max_memory_allocated": queries.reset_peaks,
-        "reset_accumulated_memory_stats": queries.reset_accumulated,
+        "memory_allocated": _on_the_device(memory.allocated),
+        "max_memory_allocated": _on_the_device(memory.max_allocated),
+        "memory_reserved": _on_the_device(memory.reserved),
+        "max_memory_reserved": _on_the_device(memory.max_reserved),
+        "reset_peak_memory_stats": _on_the_device(memory.reset_peaks),
+        "reset_max_memory_allocated": _on_the_device(memory.reset_peaks),
+        "reset_accumulated_memory_stats": _on_the_device(memory.reset_accumulated),
         "memory_summary": queries.summary,
         "set_per_process_memory_fraction": fraction.set,
         "get_per_process_memory_fraction": fraction.get,

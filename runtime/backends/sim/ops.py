@@ -107,6 +107,10 @@ _ARGUMENT_CHECKED = {
 }
 _MASK_DTYPES = (torch.bool, torch.uint8)
 _RESIZES = {aten.resize_.default, aten.resize_as_.default}
+# Operators that are not TensorIterator's: torch checks that every tensor argument is on the
+# device, so a 0-dim host tensor is no kernel argument to them (float8.py). The sim knows these
+# only; elsewhere it takes a 0-dim host tensor as TensorIterator's kernels do.
+_NO_HOST_SCALARS = {aten._scaled_mm.default, aten._scaled_mm.out}
 
 
 class OpFacts:
@@ -129,6 +133,7 @@ class OpFacts:
         "empty",
         "fresh_positions",
         "func",
+        "host_scalars",
         "indexing",
         "is_copy",
         "is_view",
@@ -170,6 +175,8 @@ class OpFacts:
         self.resizes = func in _RESIZES
         # CUDA's own argument checks, where its kernel refuses what the CPU's takes
         self.cuda_check = CUDA_ARGUMENT_CHECKS.get(func)
+        # A 0-dim host tensor among its arguments is a kernel argument (`_NO_HOST_SCALARS`).
+        self.host_scalars = func not in _NO_HOST_SCALARS
         self.violation = _operation_violation(func)
         self.argument_checked = func in _ARGUMENT_CHECKED
         self.indexing = func in INDEXING
