@@ -3,9 +3,10 @@
 Row counts are drawn mostly next to capture sizes (c - 2 to c + 1), so consecutive steps cross
 bucket boundaries in both directions (3 -> 9 -> 2 requests) and most steps have padding rows;
 prompt lengths sit often on a block boundary or at the per-request block limit (the longest
-context a request may have), and prompt lengths and chunks reach past the largest capture size,
-so some steps must take the eager path. Consecutive steps of the same
-size but another kind, query length or adapter mix are what probe an incomplete graph key.
+context a request may have), a quarter of them anywhere up to it, and prompt lengths and chunks
+reach past the largest capture size, so some steps must take the eager path. Consecutive steps of
+the same size but another kind, query length or adapter mix are what probe an incomplete graph
+key.
 Schedules whose swarm switches admissions and regrouping off drain from their tail instead
 (`swarm.SHAPES`): a departed request's row becomes a padding row of the same graph.
 """
@@ -88,6 +89,10 @@ def arrivals(spec: TargetSpec) -> st.SearchStrategy[Arrival]:
             st.integers(1, min(capacity, 2 * spec.block_size)),
             st.integers(1, long_prompt),
             st.sampled_from(edges),
+            # Anywhere up to the block limit: a request that starts there decodes on graphs at
+            # contexts no short prompt reaches within a schedule (past a sliding window, a
+            # ring's wrap or a short rotary table), and has steps left to do so.
+            st.integers(1, capacity),
         ),
         seed=seeds,
         temperature=st.sampled_from(TEMPERATURES),
@@ -125,7 +130,37 @@ def _crowds(spec: TargetSpec, reach: bool) -> st.SearchStrategy[list[Arrival]]:
         lambda a: dataclasses.replace(a, prompt_len=crowd_prompt_len(a.prompt_len, size, reach))
     )
     sized = {n: st.lists(short, min_size=n, max_size=n) for n in range(1, spec.max_num_reqs + 1)}
+    if reach:  # a crowd kept short stays short: its opening prefill is few tokens a request
+        longest_short = 3 if size <= 4 else size
+        sized = {n: _led(crowd, spec, n, longest_short) for n, crowd in sized.items()}
     return row_counts(spec).flatmap(sized.__getitem__)
+
+
+def _led(
+    crowd: st.SearchStrategy[list[Arrival]], spec: TargetSpec, n: int, longest_short: int
+) -> st.SearchStrategy[list[Arrival]]:
+    """`crowd`, or (half of the time) the same with one member, at a drawn place, given a long
+    prompt, up to the block limit. A crowd's decode-only steps are where a runner that graphs
+    decode batches replays most; with short prompts alone those replays never see a long context
+    (past a sliding window, a ring cache's wrap, a rotary table's end), which no later step
+    reaches within a schedule either. A crowd past the step's token budget is prefilled over as
+    many opening steps as it takes (`_first_then`)."""
+    longest = _capacity(spec)
+    if longest <= longest_short or "prefill" not in spec.features:
+        return crowd  # without prefill a long prompt takes a step a token
+    leader = st.tuples(st.integers(0, n - 1), st.integers(longest_short + 1, longest))
+    return st.tuples(crowd, st.one_of(st.none(), leader)).map(_with_leader)
+
+
+def _with_leader(drawn: tuple[list[Arrival], tuple[int, int] | None]) -> list[Arrival]:
+    crowd, leader = drawn
+    if leader is None:
+        return crowd
+    place, prompt_len = leader
+    return [
+        dataclasses.replace(a, prompt_len=prompt_len) if i == place else a
+        for i, a in enumerate(crowd)
+    ]
 
 
 def crowd_prompt_len(drawn: int, block_size: int, reach: bool = True) -> int:
@@ -349,11 +384,26 @@ def _plan_lists(
         min_size=min(fewest, max_steps - 1),
         max_size=max_steps - 1,
     )
-    return st.tuples(step_plans(spec, pipelined, swarm, "opening"), steady).map(_first_then)
+    opening = step_plans(spec, pipelined, swarm, "opening")
+    then = functools.partial(_first_then, swarm.spec(spec), max_steps, fewest)
+    return st.tuples(opening, steady).map(then)
 
 
-def _first_then(parts: tuple[StepPlan, list[StepPlan]]) -> list[StepPlan]:
-    return [parts[0], *parts[1]]
+def _first_then(
+    spec: TargetSpec, max_steps: int, fewest: int, parts: tuple[StepPlan, list[StepPlan]]
+) -> list[StepPlan]:
+    """The opening step, the prefill steps that finish its crowd's prompts where they are more
+    than one step's token budget (a crowd with a long prompt: the steady steps after it are
+    decode-shaped and would never prefill the rest), then the steady steps: no fewer than
+    `fewest` where the schedule drew them, no more than `max_steps` in all."""
+    opening, steady = parts
+    more = 0
+    if "prefill" in spec.features:
+        tokens = sum(arrival.prompt_len for arrival in opening.arrivals)
+        room = max_steps - 1 - min(len(steady), fewest)
+        more = max(0, min(-(-tokens // spec.max_num_tokens) - 1, room))
+    prefill = StepPlan(kind="prefill", rows=spec.max_num_reqs, chunk=spec.max_num_tokens)
+    return [opening, *[prefill] * more, *steady[: max_steps - 1 - more]]
 
 
 def first_pair(spec: TargetSpec) -> list[StepPlan]:

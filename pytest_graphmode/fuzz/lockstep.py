@@ -6,8 +6,9 @@ Twins, all made by the same factory with the same seed (hence the same weights a
   for delays;
 - `eager`: eager mode, the reference; its null block is poisoned too;
 - `clean`: graph mode, never poisoned; `padding_inert` demands bit-identical valid rows;
-- `company`: eager mode, never poisoned, runs only the sampled requests, their KV blocks renamed
-  (see `sampling_check.py`); made only for targets with the "sampling" feature.
+- `company`: eager mode, never poisoned, runs the sampled requests and about half of the greedy
+  ones, in reverse order, their KV blocks renamed (see `sampling_check.py`); made only for
+  targets with the "sampling" feature.
 Only the two graph twins capture graphs: capture dominates the cost of an example. Only the graph
 twin's step is delayed: a race that every twin ran into alike could give the same wrong values on
 all of them, and the twins it is compared with must be undisturbed references.
@@ -482,17 +483,20 @@ class Lockstep:
         return []
 
     def _reference_steps(self, batch: Batch) -> _References:
-        """`batch` on the eager and clean twins, and its sampled requests on the company twin
-        (the sub-batch and its outcome, None without one; `sampling_check.company_batch`). The
-        company twin's slots to write are marked before its step and read right after it
-        (`kv_writes_land`): its requests live in other rows and blocks than on the other twins,
-        so a table gone wrong with that history shows there first."""
+        """`batch` on the eager and clean twins, and its sampled requests with some greedy ones on
+        the company twin (the sub-batch and its outcome, None without one;
+        `sampling_check.company_batch`). The company twin's slots to write are marked before its
+        step and read right after it (`kv_writes_land`): its requests live in other rows and
+        blocks than on the other twins, so a table gone wrong with that history shows there
+        first."""
         eager = self.host_times.timed("eager", batch, lambda: step_outcome(self.eager, batch))
         clean = step_outcome(self.clean, batch)
         sub = None
         if self.company is not None:
             invariant = self.spec.batch_invariant
-            sub = sampling_check.company_batch(batch, self._renaming, batch_invariant=invariant)
+            sub = sampling_check.company_batch(
+                batch, self._renaming, batch_invariant=invariant, example_seed=self.seed
+            )
         if self.company is None or sub is None:
             return _References(eager, clean, None, None, eager.result)
         slots = mark_slots_to_write([self.company.state()], self.spec, [sub])

@@ -6,14 +6,18 @@ metamorphic, comparing runs in which only the company of a request differs:
   runs the same batch unpadded; `replay_matches_eager` demands equal sampled tokens wherever the
   two rows' logits agree to within `SAMPLED_AGREEMENT` x temperature.
 - batch company, row and KV placement: a fourth, never-poisoned *company twin* (eager mode, same
-  seed) runs, each step, only the batch's sampled requests, in reverse row order, and with their
+  seed) runs, each step, the batch's sampled requests and about half of its greedy ones (which
+  half is drawn per request and example, `greedy_joins`), in reverse row order, and with their
   KV blocks renamed by a permutation of the blocks fixed for the example (`BlockRenaming`). A
   request's KV depends only on its own tokens, not on where it is stored, so the company twin
-  computes the same logits for it; this check demands the same sampled token wherever those
-  logits agree with the eager twin's as closely. A runner whose logits depend on the rest of the
-  batch by design (`TargetSpec.batch_invariant` False: capacity-limited expert routing, a norm
-  over the batch) cannot be run in other company: its company twin runs the whole batch in its
-  order, and only KV placement is varied.
+  computes the same logits for it; this check demands the same logits, within the tolerance of
+  `replay_matches_eager`, and the same sampled token wherever those logits agree with the eager
+  twin's as closely. The greedy requests are there for their logits: per-row state of a
+  persistent batch (a mask, a counter, a row swapped with another) follows the request into
+  another row only in other company, which the graph, clean and eager twins never give it. A
+  runner whose logits depend on the rest of the batch by design (`TargetSpec.batch_invariant`
+  False: capacity-limited expert routing, a norm over the batch) cannot be run in other company:
+  its company twin runs the whole batch in its order, and only KV placement is varied.
 A seed or counter baked in at capture, noise indexed by row, by KV slot or drawn per batch, or
 padding rows that consume a request's random stream all make tokens differ while the logits agree;
 a read of KV slots a request never wrote makes its logits differ. Gumbel-max
@@ -24,6 +28,7 @@ has a false-alarm rate of order 1e-6 per row.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from dataclasses import dataclass
 
@@ -65,16 +70,40 @@ class BlockRenaming:
         return tuple(self.new_name[b] for b in block_ids)
 
 
+GREEDY_SHARE = 0.5
+"""The share of greedy requests the company twin runs beside the sampled ones: every one would
+give it the batch's own size and padding, the company a sampling bug shows least in, and cost as
+much again as the sampled ones."""
+
+
+@functools.lru_cache(maxsize=4096)
+def greedy_joins(example_seed: int, req_id: int) -> bool:
+    """Whether the company twin runs greedy request `req_id` in the example of `example_seed`:
+    the same answer at every step of the example, so a request that joins has its whole cache
+    there."""
+    return random.Random(f"company {example_seed} {req_id}").random() < GREEDY_SHARE
+
+
 def company_batch(
-    batch: Batch, renaming: BlockRenaming | None = None, *, batch_invariant: bool = True
+    batch: Batch,
+    renaming: BlockRenaming | None = None,
+    *,
+    batch_invariant: bool = True,
+    example_seed: int | None = None,
 ) -> Batch | None:
-    """The sub-batch the company twin runs: sampled requests, reversed, their blocks renamed by
+    """The sub-batch the company twin runs: sampled requests and, with `example_seed`, the greedy
+    ones that `greedy_joins` picks for that example, reversed, their blocks renamed by
     `renaming`; None if there are none. For a runner whose logits depend on the batch
     (`TargetSpec.batch_invariant` False), the whole batch in its order, renamed, at every step
     (its greedy requests' caches must be there for the steps that sample): only the KV placement
     differs then."""
     if batch_invariant:
-        chosen = tuple(r for r in reversed(batch.requests) if r.seed is not None)
+        chosen = tuple(
+            r
+            for r in reversed(batch.requests)
+            if r.seed is not None
+            or (example_seed is not None and greedy_joins(example_seed, r.req_id))
+        )
     else:
         chosen = batch.requests
     if renaming is not None:
@@ -126,7 +155,7 @@ def sampling_independent(
                     **differences(theirs[other], mine[row], distance <= tol[other]),
                 )
             ]
-        if request.seed is None:  # only a batch-dependent runner's company twin runs these
+        if request.seed is None:
             decidable = bool(argmax_decided(theirs[other : other + 1], tol[other : other + 1]))
             what = "greedy token"
         else:

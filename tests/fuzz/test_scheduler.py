@@ -186,6 +186,28 @@ def test_decode_only_schedules_with_long_blocks_cross_into_a_second_block():
     assert crossed
 
 
+def test_half_the_crowds_give_one_request_a_long_prompt_that_decodes_past_a_short_window():
+    # A decode-only schedule opens with a crowd; with short prompts alone its decode steps never
+    # reach a long context within a schedule. Half of the crowds that may reach a block's end
+    # lead with one long prompt, prefilled over as many opening steps as the token budget needs.
+    spec = dataclasses.replace(SPEC, num_blocks=40, max_blocks_per_req=8, max_num_tokens=12)
+    led = [max(a.prompt_len for a in crowd) for crowd in _drawn_crowds(spec, 200)]
+    assert 0.25 < sum(n > 3 for n in led) / len(led) < 0.75
+    longest, lengths = [], []
+
+    @settings(max_examples=300, database=None, derandomize=True)
+    @given(schedules(spec, max_steps=8))
+    def run(plans):
+        lengths.append(len(plans))
+        for event in compile_schedule(spec, plans):
+            if isinstance(event, Batch) and all(len(r.tokens) == 1 for r in event.requests):
+                longest.append(max(r.context_len for r in event.requests))
+
+    run()
+    assert max(lengths) <= 8
+    assert max(longest) > 16  # past half of the 32 positions a request may hold, 12 a step
+
+
 def test_stress_events_precede_their_step():
     stress = Stress(churn=2)
     events = compile_schedule(SPEC, [StepPlan("decode", rows=1, stress=stress)])

@@ -193,6 +193,21 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # `resize_(0)`, graphs re-captured on wake): two init-once index tables put in the region
     # that is discarded, not backed up, so the re-captured graphs read zeros
     "sleep_wake_pool": "replay_matches_eager",
+    # a ring of block-table columns read by the linear arm (valid before the ring wraps), the
+    # arm chosen on the host and so baked in from the capture's empty rings
+    "cyclic_block_table": "replay_matches_eager",
+    # a float8 MoE layer reloaded layer by layer rebuilds its expert kernel: the graphs keep the
+    # old kernel's freed descriptors and workspace
+    "layerwise_reload_moe": "replay_matches_eager",
+    # a persistent batch's decode-first reorder swaps two rows' stop masks as views: both rows
+    # hold one mask (a greedy request in other company shows it)
+    "decode_first_stop_masks": "sampling_independent",
+    # device-side substitution of last step's samples: the graph's spare index entries -1, so a
+    # full graph writes the batch's token back over its last token's substitution
+    "placeholder_substitution": "replay_matches_eager",
+    # cascade attention's suffix launched without the split bound its graph plan used: a split
+    # written past the workspace
+    "shared_prefix_cascade": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
@@ -216,8 +231,10 @@ RANK_RUNNERS: dict[str, str | tuple[str, ...]] = {
 RANK_BUDGET = 12
 # The bug no leading example is built for, and the examples a campaign may take to find it on sim:
 # the padding token's activation must be the batch's largest, which the drawn token values decide
-# (seeds 0-2 took 9, 9 and 8 examples, 33, 34 and 8 before the ninth leading example).
-LATER = {"dynamic_scale_over_padding": 60}
+# (seeds 0-2 took 9, 9 and 8 examples, 33, 34 and 8 before the ninth leading example). The
+# cascade's split needs four or more decode rows, one of them past two of its key tiles (seeds
+# 0 and 1 took 15 and 19 examples; seed 2 passed 60).
+LATER = {"dynamic_scale_over_padding": 60, "shared_prefix_cascade": 60}
 # On a GPU the value bugs are caught by the same check, whatever the timing. A race shows as
 # whatever the late work broke there, which the timing of the moment decides: an index read
 # before its upload landed faults the device, an overwritten input lands a write in the wrong
@@ -269,6 +286,12 @@ ON_CUDA["logit_bias_sparse_lists"] = ("replay_matches_eager", "no_device_fault")
 # download or reload lands before it is read in every delayed order the campaign drew. The sim's
 # race checker finds both at the first examples; on cuda only their correct runners are run.
 NOT_SHOWN_ON_CUDA = {"async_download_overwritten", "kv_swap_in_race"}
+# A split written past the workspace is an exception on sim and a device-side assert on a GPU.
+ON_CUDA["shared_prefix_cascade"] = ("replay_matches_eager", "no_device_fault")
+# Not yet run on a GPU, their bugs' outcome there unsettled: a replay through a freed workspace
+# reads what the allocator put there since (written before it is read: maybe nothing shows), and
+# CUDA does not say which of two writes to one index lands. Their correct runners run there.
+NOT_YET_ON_CUDA = {"layerwise_reload_moe", "placeholder_substitution"}
 # A stale padding slot past the cache is an exception on sim and a device-side assert on a GPU.
 ON_CUDA["flashinfer_kv_layout"] = ("replay_matches_eager", "kv_writes_confined", "no_device_fault")
 # The scratch freed under the graphs holds whatever the allocator put there since: on the H200 a
@@ -320,7 +343,7 @@ def test_the_correct_runner_passes_the_harness_on_a_gpu(runner: str) -> None:
 
 
 @pytest.mark.graphmode_cuda
-@pytest.mark.parametrize("runner", sorted(set(ON_CUDA) - NOT_SHOWN_ON_CUDA))
+@pytest.mark.parametrize("runner", sorted(set(ON_CUDA) - NOT_SHOWN_ON_CUDA - NOT_YET_ON_CUDA))
 def test_the_bug_is_caught_on_a_gpu_within_the_leading_examples_or_its_budget(runner: str) -> None:
     _need_a_gpu(runner)
     factory = _factory(runner, "make_buggy_target")
