@@ -100,8 +100,8 @@ class TargetSpec:
     num_adapters: int = 1
     # False: a request's logits may depend on the other requests of its batch and their order
     # (capacity-limited expert routing, a norm over the batch), so the company twin runs the
-    # whole batch in its order, from other KV blocks, instead of the sampled requests and about
-    # half of the greedy ones, reversed.
+    # whole batch in its order, from other KV blocks, instead of the sampled requests alone, and
+    # no greedy company twin runs some greedy requests apart.
     batch_invariant: bool = True
 
     def __post_init__(self) -> None:

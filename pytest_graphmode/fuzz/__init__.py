@@ -58,8 +58,8 @@ How each bug class of docs/bug-classes.md is provoked (before the arrow) and see
 1. padding rows: poisoned static buffers holding live block/slot ids, a NaN null block, the
    blocks no request of the step lists marked during the step -> kv_writes_confined,
    padding_inert
-2. randomness: sampled requests in other buckets, padding and company (with about half of the
-   greedy requests, whose per-row state must follow them too)
+2. randomness: sampled requests in other buckets, padding and company (and, on a twin of their
+   own, about half of the greedy requests, whose per-row state must follow them too)
    -> replay_matches_eager, sampling_independent
 3. stale buffers: every static buffer poisoned before every step, the slots each step must write
    marked before it -> padding_inert, kv_writes_land

@@ -213,9 +213,10 @@ def states_match(
             return [
                 Violation(
                     name,
-                    f"state {key!r} differs at index {index} (compared whole, null block "
-                    f"included: its {expected.shape[0] if expected.dim() else 0} rows are not "
-                    f"the spec's {spec.num_slots} slots, so it is not slot-major)",
+                    f"state {key!r} differs at index {index} (compared whole: its "
+                    f"{expected.shape[0] if expected.dim() else 0} rows are not the spec's "
+                    f"{spec.num_slots} slots, so it is not slot-major and no null block is left "
+                    "out)",
                     expected=str(expected[index]),
                     actual=str(actual[index]),
                 )

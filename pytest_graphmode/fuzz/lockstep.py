@@ -6,9 +6,10 @@ Twins, all made by the same factory with the same seed (hence the same weights a
   for delays;
 - `eager`: eager mode, the reference; its null block is poisoned too;
 - `clean`: graph mode, never poisoned; `padding_inert` demands bit-identical valid rows;
-- `company`: eager mode, never poisoned, runs the sampled requests and about half of the greedy
-  ones, in reverse order, their KV blocks renamed (see `sampling_check.py`); made only for
-  targets with the "sampling" feature.
+- `company`: eager mode, never poisoned, runs only the sampled requests, their KV blocks renamed
+  (see `sampling_check.py`); made only for targets with the "sampling" feature;
+- `greedy company`: the same for about half of the greedy requests; made only for targets with
+  the "sampling" feature whose logits do not depend on their batch (`batch_invariant`).
 Only the two graph twins capture graphs: capture dominates the cost of an example. Only the graph
 twin's step is delayed: a race that every twin ran into alike could give the same wrong values on
 all of them, and the twins it is compared with must be undisturbed references.
@@ -122,15 +123,13 @@ def _steps(events: Sequence[Batch | Stress]) -> list[_Step]:
 
 @dataclass(frozen=True)
 class _References:
-    """One step of the reference twins, read at that step: host copies (`eager`, `clean`,
-    `company`) and the eager twin's result itself (`live`, for `results_stay_valid`)."""
+    """One step of the reference twins, read at that step: host copies (`eager`, `clean`, the
+    company twins') and the eager twin's result itself (`live`, for `results_stay_valid`)."""
 
     eager: Outcome
     clean: Outcome
-    company_batch: Batch | None
-    company: Outcome | None
+    companies: tuple[sampling_check.CompanyRun, ...]
     live: StepResult | None
-    company_unwritten: tuple[int, ...] = ()  # the company's slots to write left unwritten
 
 
 class Lockstep:
@@ -176,7 +175,10 @@ class Lockstep:
             self.graph, self.eager = self._make_pair()
             self.clean = self._make("graph")
             self.spec = self.graph.spec
-            self.company = self._make("eager") if "sampling" in self.spec.features else None
+            sampling = "sampling" in self.spec.features
+            self.company = self._make("eager") if sampling else None
+            greedy = sampling and self.spec.batch_invariant
+            self.greedy_company = self._make("eager") if greedy else None
         except BaseException:
             self.close()
             raise
@@ -207,7 +209,12 @@ class Lockstep:
     def _judge_made_twins(self) -> None:
         """Raise `GraphmodeFailure` unless the twins start identical (`construction.py`)."""
         races = self.backend.take_races()
-        others = [("graph", self.graph), ("clean", self.clean), ("company", self.company)]
+        others = [
+            ("graph", self.graph),
+            ("clean", self.clean),
+            ("company", self.company),
+            ("greedy company", self.greedy_company),
+        ]
         violations, twin = made_twins_violations(
             races,
             snapshot(self.eager.state()),
@@ -460,9 +467,7 @@ class Lockstep:
             clean_after={} if raised else snapshot(self.clean.state()),
             views=[] if raised else self.graph.address_views(),
             kept=kept,
-            company_batch=refs.company_batch,
-            company=refs.company,
-            company_unwritten=refs.company_unwritten,
+            companies=refs.companies,
             step=step,
             races=self.backend.take_races(),
         )
@@ -483,28 +488,36 @@ class Lockstep:
         return []
 
     def _reference_steps(self, batch: Batch) -> _References:
-        """`batch` on the eager and clean twins, and its sampled requests with some greedy ones on
-        the company twin (the sub-batch and its outcome, None without one;
-        `sampling_check.company_batch`). The company twin's slots to write are marked before its
-        step and read right after it (`kv_writes_land`): its requests live in other rows and
-        blocks than on the other twins, so a table gone wrong with that history shows there
-        first."""
+        """`batch` on the eager and clean twins, its sampled requests on the company twin and
+        some of its greedy ones on the greedy company twin (`sampling_check.company_batch`,
+        `greedy_company_batch`; a twin without requests in the batch does not step). A company
+        twin's slots to write are marked before its step and read right after it
+        (`kv_writes_land`): its requests live in other rows and blocks than on the other twins,
+        so a table gone wrong with that history shows there first."""
         eager = self.host_times.timed("eager", batch, lambda: step_outcome(self.eager, batch))
         clean = step_outcome(self.clean, batch)
-        sub = None
+        runs = []
         if self.company is not None:
             invariant = self.spec.batch_invariant
-            sub = sampling_check.company_batch(
-                batch, self._renaming, batch_invariant=invariant, example_seed=self.seed
-            )
-        if self.company is None or sub is None:
-            return _References(eager, clean, None, None, eager.result)
-        slots = mark_slots_to_write([self.company.state()], self.spec, [sub])
-        company = step_outcome(self.company, sub)
+            sub = sampling_check.company_batch(batch, self._renaming, batch_invariant=invariant)
+            runs.append(self._company_step("company", self.company, sub))
+        if self.greedy_company is not None:
+            sub = sampling_check.greedy_company_batch(batch, self.seed, self._renaming)
+            runs.append(self._company_step("greedy company", self.greedy_company, sub))
+        companies = tuple(run for run in runs if run is not None)
+        return _References(eager, clean, companies, eager.result)
+
+    def _company_step(
+        self, name: str, twin: GraphTarget, sub: Batch | None
+    ) -> sampling_check.CompanyRun | None:
+        if sub is None:
+            return None
+        slots = mark_slots_to_write([twin.state()], self.spec, [sub])
+        outcome = step_outcome(twin, sub)
         unwritten: list[int] = []
-        if company.error is None:
-            unwritten = unwritten_slots(self.company.state(), self.spec, slots)
-        return _References(eager, clean, sub, company, eager.result, tuple(unwritten))
+        if outcome.error is None:
+            unwritten = unwritten_slots(twin.state(), self.spec, slots)
+        return sampling_check.CompanyRun(name, sub, outcome, tuple(unwritten))
 
     def _references(self, batch: Batch) -> _References:
         """`_reference_steps`, its outcomes copied to the host as they are now."""
@@ -513,7 +526,9 @@ class Lockstep:
             refs,
             eager=_frozen(refs.eager),
             clean=_frozen(refs.clean),
-            company=None if refs.company is None else _frozen(refs.company),
+            companies=tuple(
+                dataclasses.replace(run, outcome=_frozen(run.outcome)) for run in refs.companies
+            ),
         )
 
     def _run_pair(
@@ -610,9 +625,7 @@ class Lockstep:
                 clean_after={},
                 views=[],
                 kept=kept0,
-                company_batch=ref0.company_batch,
-                company=ref0.company,
-                company_unwritten=ref0.company_unwritten,
+                companies=ref0.companies,
                 states_read=states_read,
                 pipelined="first",
                 paired=(second.batch,),
@@ -644,9 +657,7 @@ class Lockstep:
                         if ref0.live is not None and eager0 is not None
                         else []
                     ),
-                    company_batch=ref1.company_batch,
-                    company=ref1.company,
-                    company_unwritten=ref1.company_unwritten,
+                    companies=ref1.companies,
                     states_read=states_read,
                     pipelined="second",
                     paired=(first.batch,),

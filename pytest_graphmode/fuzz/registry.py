@@ -68,8 +68,7 @@ class Evidence:
     clean_after: State
     views: Sequence[AddressView]
     kept: Sequence[Kept]
-    company_batch: Batch | None
-    company: Outcome | None
+    companies: Sequence[sampling_check.CompanyRun]  # this step on the company twins
     states_read: bool = True
     pipelined: Literal["first", "second"] | None = None
     paired: Sequence[Batch] = ()
@@ -79,9 +78,6 @@ class Evidence:
     # (all four run the same runner code) and the harness work around them; None where the
     # backend has no race checker (cuda).
     races: Sequence[Race] | None = None
-    # The company twin's slots that its batch writes and that still held the harness's mark
-    # right after its step (`kv_writes_land`); its state is read there, not snapshotted.
-    company_unwritten: Sequence[int] = ()
 
     @property
     def twin_raised(self) -> bool:
@@ -125,8 +121,8 @@ def _kv_writes_confined(e: Evidence) -> list[Violation]:
 def _kv_writes_land(e: Evidence) -> list[Violation]:
     afters = {"graph": e.graph_after, "eager": e.eager_after}
     found = kv_checks.kv_writes_land(e.batch, afters, e.spec, e.paired)
-    if e.company_batch is not None:
-        found += kv_checks.unlanded((e.company_batch,), e.company_unwritten, e.spec, "company")
+    for run in e.companies:
+        found += kv_checks.unlanded((run.batch,), run.unwritten, e.spec, run.twin)
     return found
 
 
@@ -142,10 +138,13 @@ def _results_stay_valid(e: Evidence) -> list[Violation]:
 
 
 def _sampling_independent(e: Evidence) -> list[Violation]:
-    assert e.company_batch is not None and e.company is not None  # see `applies`
-    return sampling_check.sampling_independent(
-        e.company_batch, e.company, e.batch, e.eager, e.spec, e.precision
-    )
+    for run in e.companies:
+        found = sampling_check.sampling_independent(
+            run.batch, run.outcome, e.batch, e.eager, e.spec, e.precision, run.twin
+        )
+        if found:
+            return found
+    return []
 
 
 # A device fault (illegal memory access, device-side assert) kills the process that runs the step:
@@ -205,7 +204,7 @@ REGISTRY: tuple[Check, ...] = (
     Check(
         sampling_check.SAMPLING_INDEPENDENT,
         _sampling_independent,
-        applies=lambda e: e.company is not None and e.company_batch is not None,
+        applies=lambda e: bool(e.companies),
     ),
     # A result that a later step overwrote reads wrong: in a pipelined pair, the first step's is
     # read only after the second step ran. Name the overwrite before the wrong values.

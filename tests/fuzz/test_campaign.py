@@ -6,7 +6,7 @@ import gc
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,7 +16,7 @@ import torch
 from hypothesis import Phase, configuration
 
 import pytest_graphmode.fuzz.campaign as campaign_module
-from pytest_graphmode.contract import Batch, StepResult
+from pytest_graphmode.contract import Batch, Request, StepResult
 from pytest_graphmode.fuzz import CHECKS, CampaignStats, GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.isolation import NO_DEVICE_FAULT
 from pytest_graphmode.fuzz.registry import RANK_CHECKS
@@ -296,11 +296,21 @@ def test_a_campaign_puts_the_users_hypothesis_storage_back(tmp_path: Path):
 
 
 def test_features_restrict_what_schedules_use():
+    requests: list[Request] = []
+
+    def collect(seed: int, events: Sequence[Batch | Stress]) -> None:
+        requests.extend(r for e in events if isinstance(e, Batch) for r in e.requests)
+
     stats = run_campaign(
-        toy.make_target, max_examples=4, max_steps=4, seed=3, features=frozenset({"decode"})
+        toy.make_target,
+        max_examples=4,
+        max_steps=4,
+        seed=3,
+        features=frozenset({"decode"}),
+        on_example=collect,
     )
-    assert stats.steps > 0
-    assert "sampling_independent" not in stats.checks_run  # no sampled request was drawn
+    assert stats.steps > 0 and requests
+    assert all(r.seed is None and len(r.tokens) == 1 for r in requests)  # greedy, no prefill
 
 
 def test_features_the_target_lacks_are_refused():

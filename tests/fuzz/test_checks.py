@@ -338,36 +338,39 @@ def test_company_batch_holds_sampled_requests_reversed():
     assert sampling_check.company_batch(Batch(BATCH.requests[:1])) is None
 
 
-def test_company_batch_runs_about_half_of_the_greedy_requests_the_same_ones_every_step():
+def test_greedy_company_batch_runs_about_half_of_the_greedy_requests_the_same_ones_every_step():
     greedy = [Request(i, (1,), 0, (1,)) for i in range(40)]
+    sampled = Request(99, (1,), 0, (2,), seed=3)
+    joined = []
     for example_seed in (0, 1):
         subs = [
-            sampling_check.company_batch(Batch(tuple(greedy[:n])), example_seed=example_seed)
+            sampling_check.greedy_company_batch(Batch((*greedy[:n], sampled)), example_seed)
             for n in (10, 40)
         ]
-        joined = [{r.req_id for r in sub.requests} if sub else set() for sub in subs]
-        assert joined[0] == {i for i in joined[1] if i < 10}  # a request joins for the example
-        assert 10 <= len(joined[1]) <= 30
-    first, second = (
-        {
-            r.req_id
-            for r in sampling_check.company_batch(Batch(tuple(greedy)), example_seed=s).requests
-        }
-        for s in (0, 1)
-    )
-    assert first != second  # another example, other greedy company
-    # without an example seed, as before: the sampled requests alone
-    assert sampling_check.company_batch(Batch(tuple(greedy))) is None
+        ids = [[r.req_id for r in sub.requests] if sub else [] for sub in subs]
+        assert ids[0] == [i for i in ids[1] if i < 10]  # a request joins for the whole example
+        assert 10 <= len(ids[1]) <= 30 and ids[1] == sorted(ids[1], reverse=True)
+        joined.append(set(ids[1]))
+    assert joined[0] != joined[1]  # another example, other greedy company
+    # the company twin's own sub-batch is unchanged: the sampled requests alone
+    assert [r.req_id for r in sampling_check.company_batch(Batch((*greedy, sampled))).requests] == [
+        99
+    ]
 
 
 def test_a_greedy_request_whose_logits_move_with_its_company_fails():
     # a greedy row's per-row state followed another request (a swapped mask): -inf where eager has
     # a value
-    sub = sampling_check.company_batch(Batch(BATCH.requests[:1]), example_seed=_joining_seed(7))
+    sub = sampling_check.greedy_company_batch(Batch(BATCH.requests[:1]), _joining_seed(7))
     assert [r.req_id for r in sub.requests] == [7]
     masked = [[4.0, float("-inf"), 0.0, 0.0]]
     [v] = sampling_check.sampling_independent(
-        sub, Outcome(result(masked, tokens=(0,))), BATCH, Outcome(result(GOOD)), SPEC
+        sub,
+        Outcome(result(masked, tokens=(0,))),
+        BATCH,
+        Outcome(result(GOOD)),
+        SPEC,
+        twin="greedy company",
     )
     assert (v.req_id, v.detail.startswith("logits depend on batch company")) == (7, True)
     same = Outcome(result([GOOD[0]], tokens=(0,)))

@@ -200,7 +200,7 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # old kernel's freed descriptors and workspace
     "layerwise_reload_moe": "replay_matches_eager",
     # a persistent batch's decode-first reorder swaps two rows' stop masks as views: both rows
-    # hold one mask (a greedy request in other company shows it)
+    # hold one mask (a greedy request on the greedy company twin shows it)
     "decode_first_stop_masks": "sampling_independent",
     # device-side substitution of last step's samples: the graph's spare index entries -1, so a
     # full graph writes the batch's token back over its last token's substitution
@@ -208,6 +208,15 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # cascade attention's suffix launched without the split bound its graph plan used: a split
     # written past the workspace
     "shared_prefix_cascade": "replay_matches_eager",
+    # two pipeline stages, each a graph: the second reads the cached intermediate buffers, never
+    # filled with the first stage's outputs
+    "pp_stage_graphs": "replay_matches_eager",
+    # a DRY penalty over a persistent batch's token history, its scan width frozen with the
+    # batch's sampling metadata: new tokens fall past it until the batch changes
+    "dry_persistent_history": "sampling_independent",
+    # a hybrid model's recurrent-state track-save reads the whole track buffer of the graphs, not
+    # its rewritten front: a smaller graph takes a stale (poisoned) tail's destinations
+    "mamba_extra_buffer": ("replay_matches_eager", "states_match"),
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
@@ -233,8 +242,13 @@ RANK_BUDGET = 12
 # the padding token's activation must be the batch's largest, which the drawn token values decide
 # (seeds 0-2 took 9, 9 and 8 examples, 33, 34 and 8 before the ninth leading example). The
 # cascade's split needs four or more decode rows, one of them past two of its key tiles (seeds
-# 0 and 1 took 15 and 19 examples; seed 2 passed 60).
-LATER = {"dynamic_scale_over_padding": 60, "shared_prefix_cascade": 60}
+# 0 and 1 took 15 and 19 examples; seed 2 passed 60). The swapped stop masks show on a greedy
+# request of the greedy company twin within its min-token window (seeds 0-2 took 17, 12, 12).
+LATER = {
+    "dynamic_scale_over_padding": 60,
+    "shared_prefix_cascade": 60,
+    "decode_first_stop_masks": 60,
+}
 # On a GPU the value bugs are caught by the same check, whatever the timing. A race shows as
 # whatever the late work broke there, which the timing of the moment decides: an index read
 # before its upload landed faults the device, an overwritten input lands a write in the wrong
@@ -286,8 +300,10 @@ ON_CUDA["logit_bias_sparse_lists"] = ("replay_matches_eager", "no_device_fault")
 # download or reload lands before it is read in every delayed order the campaign drew. The sim's
 # race checker finds both at the first examples; on cuda only their correct runners are run.
 NOT_SHOWN_ON_CUDA = {"async_download_overwritten", "kv_swap_in_race"}
-# A split written past the workspace is an exception on sim and a device-side assert on a GPU.
+# A split written past the workspace, and a poisoned track destination, are exceptions on sim
+# and device-side asserts on a GPU.
 ON_CUDA["shared_prefix_cascade"] = ("replay_matches_eager", "no_device_fault")
+ON_CUDA["mamba_extra_buffer"] = ("replay_matches_eager", "states_match", "no_device_fault")
 # Not yet run on a GPU, their bugs' outcome there unsettled: a replay through a freed workspace
 # reads what the allocator put there since (written before it is read: maybe nothing shows), and
 # CUDA does not say which of two writes to one index lands. Their correct runners run there.
