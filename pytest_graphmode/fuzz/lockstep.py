@@ -1,4 +1,4 @@
-"""The lockstep driver: runs one schedule through four twins of a target and checks every step.
+"""The lockstep driver: runs one schedule through up to five twins of a target, checking each step.
 
 Twins, all made by the same factory with the same seed (hence the same weights and state):
 - `graph`: graph mode, poisoned before every step (static buffers, null block), stressed: on cuda

@@ -75,7 +75,7 @@ class Evidence:
     held: Sequence[tuple[StepResult, int]] = ()
     step: int = 0  # the step's index in its schedule, for the messages that name another step
     # Stream races the backend found since the previous step's checks: during the twins' steps
-    # (all four run the same runner code) and the harness work around them; None where the
+    # (all of them run the same runner code) and the harness work around them; None where the
     # backend has no race checker (cuda).
     races: Sequence[Race] | None = None
 

@@ -78,8 +78,9 @@ def test_a_campaign_makes_twins_once_per_fresh_every_examples() -> None:
         counting(made), max_examples=examples, max_steps=4, seed=3, features=NO_WEIGHT_UPDATES
     )
     assert stats.examples == examples and stats.failures == []
-    # The spec's probe, then two sets of twins (graph, eager, clean, company): one per 8 examples.
-    assert made == Counter({"graph": 2 * 2, "eager": 1 + 2 * 2})
+    # The spec's probe, then two sets of twins (graph, eager, clean, company, greedy company):
+    # one per 8 examples.
+    assert made == Counter({"graph": 2 * 2, "eager": 1 + 2 * 3})
 
 
 def test_a_reset_restores_every_twins_state_and_keeps_the_twins() -> None:
