@@ -131,13 +131,12 @@ def _crowds(spec: TargetSpec, reach: bool) -> st.SearchStrategy[list[Arrival]]:
     )
     sized = {n: st.lists(short, min_size=n, max_size=n) for n in range(1, spec.max_num_reqs + 1)}
     if reach:  # a crowd kept short stays short: its opening prefill is few tokens a request
-        longest_short = 3 if size <= 4 else size
-        sized = {n: _led(crowd, spec, n, longest_short) for n, crowd in sized.items()}
+        sized = {n: _led(crowd, spec, n) for n, crowd in sized.items()}
     return row_counts(spec).flatmap(sized.__getitem__)
 
 
 def _led(
-    crowd: st.SearchStrategy[list[Arrival]], spec: TargetSpec, n: int, longest_short: int
+    crowd: st.SearchStrategy[list[Arrival]], spec: TargetSpec, n: int
 ) -> st.SearchStrategy[list[Arrival]]:
     """`crowd`, or (half of the time) the same with one member, at a drawn place, given a long
     prompt, up to the block limit. A crowd's decode-only steps are where a runner that graphs
@@ -145,7 +144,7 @@ def _led(
     (past a sliding window, a ring cache's wrap, a rotary table's end), which no later step
     reaches within a schedule either. A crowd past the step's token budget is prefilled over as
     many opening steps as it takes (`_first_then`)."""
-    longest = _capacity(spec)
+    longest, longest_short = _capacity(spec), longest_crowd_prompt(spec.block_size)
     if longest <= longest_short or "prefill" not in spec.features:
         return crowd  # without prefill a long prompt takes a step a token
     leader = st.tuples(st.integers(0, n - 1), st.integers(longest_short + 1, longest))
@@ -177,6 +176,11 @@ def crowd_prompt_len(drawn: int, block_size: int, reach: bool = True) -> int:
     if not reach or block_size <= 4 or drawn % 2:  # odd: short, as shrinking (towards 1) keeps it
         return short
     return block_size + 1 - short
+
+
+def longest_crowd_prompt(block_size: int) -> int:
+    """The longest prompt `crowd_prompt_len` gives a crowd that may reach a block's end."""
+    return block_size if block_size > 4 else 3
 
 
 def stresses(

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -175,10 +175,13 @@ class Lockstep:
             self.graph, self.eager = self._make_pair()
             self.clean = self._make("graph")
             self.spec = self.graph.spec
-            sampling = "sampling" in self.spec.features
-            self.company = self._make("eager") if sampling else None
-            greedy = sampling and self.spec.batch_invariant
-            self.greedy_company = self._make("eager") if greedy else None
+            # name -> (twin, the sub-batch of a batch it runs, None for none)
+            self.companies: dict[str, tuple[GraphTarget, Callable[[Batch], Batch | None]]] = {}
+            if "sampling" in self.spec.features:
+                self.companies["company"] = (self._make("eager"), self._sampled_company)
+                if self.spec.batch_invariant:
+                    greedy = (self._make("eager"), self._greedy_company)
+                    self.companies["greedy company"] = greedy
         except BaseException:
             self.close()
             raise
@@ -212,14 +215,13 @@ class Lockstep:
         others = [
             ("graph", self.graph),
             ("clean", self.clean),
-            ("company", self.company),
-            ("greedy company", self.greedy_company),
+            *((name, twin) for name, (twin, _) in self.companies.items()),
         ]
         violations, twin = made_twins_violations(
             races,
             snapshot(self.eager.state()),
             # Compared as they are (states_match copies each to the host): nothing runs between.
-            [(name, t.state()) for name, t in others if t is not None],
+            [(name, t.state()) for name, t in others],
             self.spec,
         )
         if not violations:
@@ -496,22 +498,21 @@ class Lockstep:
         so a table gone wrong with that history shows there first."""
         eager = self.host_times.timed("eager", batch, lambda: step_outcome(self.eager, batch))
         clean = step_outcome(self.clean, batch)
-        runs = []
-        if self.company is not None:
-            invariant = self.spec.batch_invariant
-            sub = sampling_check.company_batch(batch, self._renaming, batch_invariant=invariant)
-            runs.append(self._company_step("company", self.company, sub))
-        if self.greedy_company is not None:
-            sub = sampling_check.greedy_company_batch(batch, self.seed, self._renaming)
-            runs.append(self._company_step("greedy company", self.greedy_company, sub))
-        companies = tuple(run for run in runs if run is not None)
+        companies = tuple(
+            self._company_step(name, twin, sub)
+            for name, (twin, sub_batch) in self.companies.items()
+            if (sub := sub_batch(batch)) is not None
+        )
         return _References(eager, clean, companies, eager.result)
 
-    def _company_step(
-        self, name: str, twin: GraphTarget, sub: Batch | None
-    ) -> sampling_check.CompanyRun | None:
-        if sub is None:
-            return None
+    def _sampled_company(self, batch: Batch) -> Batch | None:
+        invariant = self.spec.batch_invariant
+        return sampling_check.company_batch(batch, self._renaming, batch_invariant=invariant)
+
+    def _greedy_company(self, batch: Batch) -> Batch | None:
+        return sampling_check.greedy_company_batch(batch, self.seed, self._renaming)
+
+    def _company_step(self, name: str, twin: GraphTarget, sub: Batch) -> sampling_check.CompanyRun:
         slots = mark_slots_to_write([twin.state()], self.spec, [sub])
         outcome = step_outcome(twin, sub)
         unwritten: list[int] = []

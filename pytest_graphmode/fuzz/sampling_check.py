@@ -92,7 +92,7 @@ class CompanyRun:
     twin: str  # "company" or "greedy company", as messages name it
     batch: Batch
     outcome: Outcome
-    unwritten: tuple[int, ...] = ()
+    unwritten: tuple[int, ...]
 
 
 def company_batch(
