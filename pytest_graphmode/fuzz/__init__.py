@@ -60,7 +60,7 @@ How each bug class of docs/bug-classes.md is provoked (before the arrow) and see
    padding_inert
 2. randomness: sampled requests in other buckets, padding and company (and, on a twin of their
    own, about half of the greedy requests, whose per-row state must follow them too)
-   -> replay_matches_eager, sampling_independent
+   -> replay_matches_eager, sampling_independent, company_independent
 3. stale buffers: every static buffer poisoned before every step, the slots each step must write
    marked before it -> padding_inert, kv_writes_land
 4. host values: replays of other contents and lengths than the capture batch

@@ -8,8 +8,8 @@ Twins, all made by the same factory with the same seed (hence the same weights a
 - `clean`: graph mode, never poisoned; `padding_inert` demands bit-identical valid rows;
 - `company`: eager mode, never poisoned, runs only the sampled requests, their KV blocks renamed
   (see `sampling_check.py`); made only for targets with the "sampling" feature;
-- `greedy company`: the same for about half of the greedy requests; made only for targets with
-  the "sampling" feature whose logits do not depend on their batch (`batch_invariant`).
+- `greedy company`: the same for about half of the greedy requests; made for every target whose
+  logits do not depend on their batch (`batch_invariant`).
 Only the two graph twins capture graphs: capture dominates the cost of an example. Only the graph
 twin's step is delayed: a race that every twin ran into alike could give the same wrong values on
 all of them, and the twins it is compared with must be undisturbed references.
@@ -55,6 +55,7 @@ from pytest_graphmode.fuzz.registry import (
     is_out_of_device_memory,
 )
 from pytest_graphmode.fuzz.snippet import replay_snippet
+from pytest_graphmode.fuzz.tolerance import matmul_precision
 from pytest_graphmode.fuzz.violation import Violation
 from pytest_graphmode.runtime.backends import Backend, capture_error_of
 from pytest_graphmode.strategies import stressors
@@ -178,10 +179,11 @@ class Lockstep:
             # name -> (twin, the sub-batch of a batch it runs, None for none)
             self.companies: dict[str, tuple[GraphTarget, Callable[[Batch], Batch | None]]] = {}
             if "sampling" in self.spec.features:
-                self.companies["company"] = (self._make("eager"), self._sampled_company)
-                if self.spec.batch_invariant:
-                    greedy = (self._make("eager"), self._greedy_company)
-                    self.companies["greedy company"] = greedy
+                sampled = (self._make("eager"), self._sampled_company)
+                self.companies[sampling_check.COMPANY] = sampled
+            if self.spec.batch_invariant:
+                greedy = (self._make("eager"), self._greedy_company)
+                self.companies[sampling_check.GREEDY_COMPANY] = greedy
         except BaseException:
             self.close()
             raise
@@ -472,6 +474,7 @@ class Lockstep:
             companies=refs.companies,
             step=step,
             races=self.backend.take_races(),
+            matmul=matmul_precision(self.backend.name),
         )
         self._graph_result = graph.result
         return self._first_violation(evidence), now
@@ -634,6 +637,7 @@ class Lockstep:
                 step=step,
                 # Everything both steps of every twin left: judged with the first step.
                 races=self.backend.take_races(),
+                matmul=matmul_precision(self.backend.name),
             )
         ]
         if ref1 is not None and graph1 is not None:
@@ -663,6 +667,7 @@ class Lockstep:
                     pipelined="second",
                     paired=(first.batch,),
                     step=step + 1,
+                    matmul=matmul_precision(self.backend.name),
                 )
             )
         return judged, graph1, ref1

@@ -26,7 +26,7 @@ from pytest_graphmode.fuzz import (
 )
 from pytest_graphmode.fuzz.checks import Outcome
 from pytest_graphmode.fuzz.kv_checks import State
-from pytest_graphmode.fuzz.tolerance import computed_in, state_precision
+from pytest_graphmode.fuzz.tolerance import coarser_precision, computed_in, state_precision
 from pytest_graphmode.fuzz.violation import Violation
 from pytest_graphmode.runtime.backends.race import Race
 
@@ -78,6 +78,9 @@ class Evidence:
     # (all of them run the same runner code) and the harness work around them; None where the
     # backend has no race checker (cuda).
     races: Sequence[Race] | None = None
+    # The precision float32 matrix products rounded to during the step where coarser than
+    # float32 (`tolerance.matmul_precision`: TF32 on cuda), None where they did not.
+    matmul: torch.dtype | None = None
 
     @property
     def twin_raised(self) -> bool:
@@ -85,16 +88,18 @@ class Evidence:
 
     @property
     def precision(self) -> torch.dtype | None:
-        """The finest precision the step's logits can have: that of the twin's floating
-        slot-major state (`tolerance.state_precision`)."""
-        return state_precision(self.eager_before, self.spec)
+        """The finest precision the step's logits can have: the coarser of the twin's floating
+        slot-major state's (`tolerance.state_precision`) and the step's matrix products'."""
+        return coarser_precision(state_precision(self.eager_before, self.spec), self.matmul)
 
     @property
     def computed_in(self) -> torch.dtype | None:
-        """The precision the eager twin's logits show (`tolerance.computed_in`), None where it
-        raised."""
+        """The precision the eager twin's logits show (`tolerance.computed_in`), or the step's
+        matrix products' where coarser; None where the eager twin raised."""
         result = self.eager.result
-        return None if result is None else computed_in(result.logits.detach().cpu())
+        if result is None:
+            return None
+        return coarser_precision(computed_in(result.logits.detach().cpu()), self.matmul)
 
 
 @dataclass(frozen=True)
@@ -137,14 +142,22 @@ def _results_stay_valid(e: Evidence) -> list[Violation]:
     return found
 
 
-def _sampling_independent(e: Evidence) -> list[Violation]:
-    for run in e.companies:
-        found = sampling_check.sampling_independent(
-            run.batch, run.outcome, e.batch, e.eager, e.spec, e.precision, run.twin
-        )
-        if found:
-            return found
-    return []
+def _on_company_twin(twin: str) -> Callable[[Evidence], list[Violation]]:
+    """The judge of `twin`'s sub-batch (`sampling_check.COMPANY` or `GREEDY_COMPANY`)."""
+
+    def judge(e: Evidence) -> list[Violation]:
+        for run in e.companies:
+            if run.twin == twin:
+                return sampling_check.sampling_independent(
+                    run.batch, run.outcome, e.batch, e.eager, e.spec, e.precision, run.twin
+                )
+        return []
+
+    return judge
+
+
+def _ran_on(twin: str) -> Callable[[Evidence], bool]:
+    return lambda e: any(run.twin == twin for run in e.companies)
 
 
 # A device fault (illegal memory access, device-side assert) kills the process that runs the step:
@@ -203,8 +216,15 @@ REGISTRY: tuple[Check, ...] = (
     # logits comparison points at the cause instead of the symptom.
     Check(
         sampling_check.SAMPLING_INDEPENDENT,
-        _sampling_independent,
-        applies=lambda e: bool(e.companies),
+        _on_company_twin(sampling_check.COMPANY),
+        applies=_ran_on(sampling_check.COMPANY),
+    ),
+    # Greedy requests in other company; after the sampler's check, so that a persistent batch's
+    # row gone wrong for both kinds of request is named where the token is judged too.
+    Check(
+        sampling_check.COMPANY_INDEPENDENT,
+        _on_company_twin(sampling_check.GREEDY_COMPANY),
+        applies=_ran_on(sampling_check.GREEDY_COMPANY),
     ),
     # A result that a later step overwrote reads wrong: in a pipelined pair, the first step's is
     # read only after the second step ran. Name the overwrite before the wrong values.

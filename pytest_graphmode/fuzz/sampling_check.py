@@ -1,4 +1,5 @@
-"""`sampling_independent`: a request's samples depend only on its seed, position and logits.
+"""`sampling_independent` and `company_independent`: a request's samples depend only on its seed,
+position and logits, and its logits not on its company.
 
 The harness cannot recompute a sample: it does not know the runner's sampler. So the checks are
 metamorphic, comparing runs in which only the company of a request differs:
@@ -9,16 +10,20 @@ metamorphic, comparing runs in which only the company of a request differs:
   seed) runs, each step, only the batch's sampled requests, in reverse row order, and with their
   KV blocks renamed by a permutation of the blocks fixed for the example (`BlockRenaming`). A
   request's KV depends only on its own tokens, not on where it is stored, so the company twin
-  computes the same logits for it; this check demands the same logits, within the tolerance of
-  `replay_matches_eager`, and the same sampled token wherever those logits agree with the eager
-  twin's as closely. A fifth, the *greedy company twin*, runs about half of the greedy requests
-  (which half is drawn per request and example, `greedy_joins`) the same way, for their logits
-  and argmax: per-row state of a persistent batch (a mask, a counter, a row swapped with
-  another) follows a request into another row only in other company, which the graph, clean
-  and eager twins never give it. A runner whose logits depend on the rest of the batch by design
-  (`TargetSpec.batch_invariant` False: capacity-limited expert routing, a norm over the batch)
-  cannot be run in other company: its company twin runs the whole batch in its order, only KV
-  placement is varied, and it has no greedy company twin.
+  computes the same logits for it; `sampling_independent` demands the same logits, within the
+  tolerance of `replay_matches_eager`, and the same sampled token wherever those logits agree
+  with the eager twin's as closely.
+- the same for greedy requests: a fifth, the *greedy company twin*, runs about half of the
+  greedy requests (which half is drawn per request and example, `greedy_joins`) the same way;
+  `company_independent` demands their logits and argmax. Per-row state of a persistent batch (a
+  mask, a counter, a row swapped with another) follows a request into another row only in
+  other company, which the graph, clean and eager twins never give it: all three keep the rows
+  alike, so a row that reads another's state reads it on all three. It runs for every runner
+  whose logits do not depend on their batch, greedy-only ones too.
+A runner whose logits depend on the rest of the batch by design (`TargetSpec.batch_invariant`
+False: capacity-limited expert routing, a norm over the batch) cannot be run in other company:
+its company twin runs the whole batch in its order, only KV placement is varied, and it has no
+greedy company twin.
 A seed or counter baked in at capture, noise indexed by row, by KV slot or drawn per batch, or
 padding rows that consume a request's random stream all make tokens differ while the logits agree;
 a read of KV slots a request never wrote makes its logits differ. Gumbel-max
@@ -46,6 +51,12 @@ from pytest_graphmode.fuzz.tolerance import (
 from pytest_graphmode.fuzz.violation import Violation, differences
 
 SAMPLING_INDEPENDENT = "sampling_independent"
+COMPANY_INDEPENDENT = "company_independent"
+
+COMPANY = "company"
+GREEDY_COMPANY = "greedy company"
+"""The company twins' names, as messages give them: `COMPANY` is judged by
+`SAMPLING_INDEPENDENT`, `GREEDY_COMPANY` by `COMPANY_INDEPENDENT`."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +100,7 @@ class CompanyRun:
     """One step of a company twin: its sub-batch, its outcome and the slots its sub-batch had to
     write that still held the harness's mark after the step (`kv_writes_land`)."""
 
-    twin: str  # "company" or "greedy company", as messages name it
+    twin: str  # COMPANY or GREEDY_COMPANY
     batch: Batch
     outcome: Outcome
     unwritten: tuple[int, ...]
@@ -141,17 +152,19 @@ def sampling_independent(
     eager: Outcome,
     spec: TargetSpec,
     precision: torch.dtype | None = None,
-    twin: str = "company",
+    twin: str = COMPANY,
 ) -> list[Violation]:
     """A sampled request draws the same token whatever company, row and KV blocks it runs in,
     where its logits agree (`precision`: as for `checks.replay_matches_eager`); a greedy one on
-    `twin` has the same logits and the same argmax."""
+    `twin` has the same logits and the same argmax. Violations on `GREEDY_COMPANY` are
+    `COMPANY_INDEPENDENT`'s, whether or not the runner samples."""
+    check = COMPANY_INDEPENDENT if twin == GREEDY_COMPANY else SAMPLING_INDEPENDENT
     if eager.result is None:
         return []  # replay_matches_eager reports a failing eager twin
     if company.result is None:
         return [
             Violation(
-                SAMPLING_INDEPENDENT,
+                check,
                 f"the {twin} twin raised on a sub-batch of a legal batch:\n{company.error}",
             )
         ]
@@ -173,7 +186,7 @@ def sampling_independent(
         if not gap <= float(tol[other]):
             return [
                 Violation(
-                    SAMPLING_INDEPENDENT,
+                    check,
                     f"logits depend on batch company or KV placement {where}",
                     req_id=request.req_id,
                     row=row,
@@ -189,7 +202,7 @@ def sampling_independent(
         if decidable and tokens[row] != reference[other]:
             return [
                 Violation(
-                    SAMPLING_INDEPENDENT,
+                    check,
                     f"{what} depends on batch company, bucket, padding or KV placement {where}",
                     req_id=request.req_id,
                     row=row,

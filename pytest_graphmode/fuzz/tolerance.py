@@ -89,6 +89,29 @@ def computed_in(logits: torch.Tensor) -> torch.dtype:
     return logits.dtype
 
 
+def matmul_precision(backend: str) -> torch.dtype | None:
+    """The precision float32 matrix products round to on `backend` as torch is set now, where it
+    is coarser than float32: on cuda with TF32 matmuls allowed (`allow_tf32`, a float32 matmul
+    precision below "highest", or torch's newer `fp32_precision = "tf32"`), float16's, whose 10
+    mantissa bits TF32 keeps; None otherwise, and on sim, whose CPU kernels round in float32
+    whatever the setting. Engines turn TF32 on at start-up (a process-wide setting, so read at
+    every step, after the runner's constructor): a float32 model's logits then carry a half
+    type's rounding, and another kernel for another batch size moves them by that much."""
+    if backend != "cuda":
+        return None
+    return torch.float16 if _tf32_matmuls() else None
+
+
+def _tf32_matmuls() -> bool:
+    matmul = torch.backends.cuda.matmul
+    try:
+        # torch >= 2.9; follows the older setters too. The older getters raise once both kinds
+        # of setter were used.
+        return bool(matmul.fp32_precision == "tf32")
+    except (AttributeError, RuntimeError):
+        return torch.get_float32_matmul_precision() != "highest" or bool(matmul.allow_tf32)
+
+
 # Slot-major integer state of these types is a quantized cache's codes (an int8 KV cache; float8
 # codes stored through a uint8 view), not indices or counts, which are wider.
 QUANTIZED_CODES = frozenset({torch.int8, torch.uint8})

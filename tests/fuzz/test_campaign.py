@@ -313,6 +313,25 @@ def test_features_restrict_what_schedules_use():
     assert all(r.seed is None and len(r.tokens) == 1 for r in requests)  # greedy, no prefill
 
 
+def test_a_greedy_only_campaign_runs_greedy_requests_in_other_company():
+    greedy_only = frozenset({"decode", "prefill"})
+    stats = run_campaign(toy.make_target, max_examples=4, max_steps=4, seed=3, features=greedy_only)
+    assert stats.failures == [] and stats.checks_run["company_independent"] > 0
+    assert stats.checks_run["sampling_independent"] == 0
+    # a per-row value keyed by the row: the graph and eager twins keep the same rows, so only
+    # the greedy company twin, which runs some of the requests in other rows, sees it
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(
+            toy.factory(["row_bias"]),
+            max_examples=4,
+            max_steps=4,
+            seed=3,
+            features=greedy_only,
+            shrink_seconds=0,
+        )
+    assert caught.value.failure.check == "company_independent"
+
+
 def test_features_the_target_lacks_are_refused():
     with pytest.raises(ValueError, match="does not support"):
         run_campaign(toy.make_target, features=frozenset({"decode", "multimodal"}))

@@ -370,9 +370,10 @@ def test_a_greedy_request_whose_logits_move_with_its_company_fails():
         BATCH,
         Outcome(result(GOOD)),
         SPEC,
-        twin="greedy company",
+        twin=sampling_check.GREEDY_COMPANY,
     )
-    assert (v.req_id, v.detail.startswith("logits depend on batch company")) == (7, True)
+    assert (v.check, v.req_id) == (sampling_check.COMPANY_INDEPENDENT, 7)
+    assert v.detail.startswith("logits depend on batch company")
     same = Outcome(result([GOOD[0]], tokens=(0,)))
     assert sampling_check.sampling_independent(sub, same, BATCH, Outcome(result(GOOD)), SPEC) == []
 
@@ -564,6 +565,27 @@ def test_the_same_step_in_float32_logits_fails():
     graph = StepResult(torch.tensor([moved, row]), torch.tensor([2, 2]), "full", 2)
     [v] = checks.replay_matches_eager(BATCH, Outcome(graph), Outcome(eager), SPEC)
     assert (v.check, v.row) == ("replay_matches_eager", 0)
+
+
+def test_tf32_matmuls_on_cuda_judge_float32_logits_at_a_half_types_tolerance():
+    # A float32 model whose GEMMs round to TF32 moves by 1e-3 of a row's scale with another
+    # kernel: float32's tolerance fails it, the precision TF32 leaves passes it, on cuda only.
+    row = [v + 1e-6 for v in HALF_ROW]
+    moved = [row[0] * (1 + 1e-3), *row[1:]]
+    eager = StepResult(torch.tensor([row, row]), torch.tensor([2, 2]), "eager", None)
+    graph = StepResult(torch.tensor([moved, row]), torch.tensor([2, 2]), "full", 2)
+    assert checks.replay_matches_eager(BATCH, Outcome(graph), Outcome(eager), SPEC) != []
+    before = torch.backends.cuda.matmul.allow_tf32  # process-wide, as engines set it
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert tolerance.matmul_precision("cuda") is None
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert tolerance.matmul_precision("sim") is None
+        tf32 = tolerance.matmul_precision("cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert tf32 == torch.float16
+    assert checks.replay_matches_eager(BATCH, Outcome(graph), Outcome(eager), SPEC, tf32) == []
 
 
 def test_a_quantized_caches_codes_pass_within_one_unit_or_the_runners_precision():

@@ -32,6 +32,7 @@ EXPECTED = {
     "seed_baked": "replay_matches_eager",
     "row_noise": "sampling_independent",
     "slot_noise": "sampling_independent",
+    "row_bias": "sampling_independent",  # the sampled requests' rows move first
     "reads_scratch": "padding_inert",
     "drift": "replay_matches_eager",
     "global_noise": "replay_matches_eager",

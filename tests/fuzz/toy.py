@@ -47,11 +47,15 @@ BUGS = frozenset(
         # padding rows keep an earlier step's rows staged on the host, out of the harness's reach,
         # and store a departed request's keys again: the bits its slot already holds
         "host_rows_stale",
+        # a per-row value keyed by the row, not by the request that holds it (a persistent
+        # batch's offset left behind when rows move): both modes compute it alike
+        "row_bias",
     }
 )
 
 
-_SAMPLER_BUGS = frozenset({"row_noise", "slot_noise"})  # in the sampler both modes share
+# In code both modes share (the sampler, the model): only a company twin tells.
+_SHARED_BUGS = frozenset({"row_noise", "slot_noise", "row_bias"})
 
 
 def _noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -68,7 +72,7 @@ class ToyTarget:
         if unknown:
             raise ValueError(f"unknown toy bugs {sorted(unknown)}")
         self.spec = SPEC
-        self.mode, self.bugs = mode, bugs if mode == "graph" else bugs & _SAMPLER_BUGS
+        self.mode, self.bugs = mode, bugs if mode == "graph" else bugs & _SHARED_BUGS
         g = torch.Generator().manual_seed(seed)
         self.emb = torch.randn(SPEC.vocab_size, HIDDEN, generator=g)
         self.adapter_shift = torch.cat(
@@ -230,6 +234,8 @@ class ToyTarget:
         mask = torch.arange(ctx_slots.shape[1])[None, :] < ctx_lens[:, None]
         summed = torch.where(mask[:, :, None], gathered, 0.0).sum(dim=1)
         logits = (summed / ctx_lens.clamp_min(1)[:, None]) @ self.out.T  # [R, V]
+        if "row_bias" in self.bugs:
+            logits = logits + 0.1 * torch.arange(rows)[:, None]
         last = ctx_lens.clamp_min(1) - 1
         noise_seeds = seeds + torch.arange(rows) if "row_noise" in self.bugs else seeds
         counters = last
