@@ -196,7 +196,9 @@ def padding_inert(
     eager_after: State | None = None,
 ) -> list[Violation]:
     """Valid rows and valid KV slots are bit-identical whether or not padding rows, static
-    buffers and the null block were poisoned before the step. `also`: steps that also ran before
+    buffers and the null block were poisoned before the step. The blocks no request of the step
+    lists hold the harness's mark on the poisoned twin during the step and their contents on the
+    clean one, so a valid row that reads one of them fails here too. `also`: steps that also ran before
     the states were taken (the other step of a pipelined pair); their slots count too.
 
     The harness marks the slots a step must write on the poisoned and eager twins, not on the
@@ -230,7 +232,9 @@ def padding_inert(
         return [
             _row_violation(
                 name,
-                "a valid row changed when padding and static buffers were poisoned",
+                "a valid row changed when padding and static buffers were poisoned (or it "
+                "read a block no request of the step lists, which holds the harness's mark "
+                "on the poisoned twin and its old contents on the clean one)",
                 batch,
                 row,
                 *_token_and_logits(c, p, row),
@@ -254,7 +258,8 @@ def padding_inert(
                 Violation(
                     name,
                     f"valid KV slot {slot} of {key!r} holds other bits when the "
-                    f"graph twin was poisoned",
+                    f"graph twin was poisoned (or when a block no request of the step lists "
+                    f"held the harness's mark)",
                     slot=slot,
                     req_id=owners[slot],
                     **differences(expected[slot], actual[slot]),
