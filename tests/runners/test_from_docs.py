@@ -224,6 +224,9 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # a running batch filtered by truncating its per-row device tensors, not by picking the kept
     # rows: after a departure every later request takes the previous row's pool index and length
     "eagle_filter_truncates_rows": "kv_writes_confined",
+    # the draft-extend graph's query offsets rebuilt packed (a cumsum of the query lengths) on
+    # replay, where its token buffers keep the capture's constant width per request
+    "draft_extend_qo_stride": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
