@@ -227,6 +227,9 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # the draft-extend graph's query offsets rebuilt packed (a cumsum of the query lengths) on
     # replay, where its token buffers keep the capture's constant width per request
     "draft_extend_qo_stride": "replay_matches_eager",
+    # a capture-only "sample everything" override cleared on the live metadata but not on the
+    # shallow copies the sampling graphs keep: every replay resamples with the capture's values
+    "capture_sampling_override_leak": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
