@@ -230,12 +230,19 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # a capture-only "sample everything" override cleared on the live metadata but not on the
     # shallow copies the sampling graphs keep: every replay resamples with the capture's values
     "capture_sampling_override_leak": "replay_matches_eager",
+    # the shared expert on a side stream reads the MoE input that the routed experts overwrite in
+    # place on the main stream, nothing ordering the two (found in the capture's eager warm-up)
+    "shared_expert_stream_inplace": "no_stream_races",
+    # the guard that keeps long contexts off the graphs reads the batch's longest prefill (0 in a
+    # decode batch): a long context is sent to a graph whose block table is too narrow
+    "long_context_graph_guard": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
 # register), on sim as on CUDA; a warm-up of padding rows writes the cache's last slot (its
-# keys, or a float8 cache's scales).
+# keys, or a float8 cache's scales); a warm-up's two streams race (sim's race checker only).
 AT_START_UP = {
+    "shared_expert_stream_inplace",
     "side_stream_escapes_capture",
     "generator_not_registered",
     "pad_slot_wraps_to_last",
@@ -326,7 +333,7 @@ ON_CUDA["layerwise_reload_moe"] = ("replay_matches_eager", "no_device_fault")
 # it; the sim lets the later write land, and catches it at the eighth example.
 NOT_SHOWN_ON_CUDA.add("placeholder_substitution")
 # Not yet run on a GPU. Their correct runners run there.
-NOT_YET_ON_CUDA: set[str] = set()
+NOT_YET_ON_CUDA = {"shared_expert_stream_inplace", "long_context_graph_guard"}
 # A stale padding slot past the cache is an exception on sim and a device-side assert on a GPU.
 ON_CUDA["flashinfer_kv_layout"] = ("replay_matches_eager", "kv_writes_confined", "no_device_fault")
 # The scratch freed under the graphs holds whatever the allocator put there since: on the H200 a
