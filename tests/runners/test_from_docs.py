@@ -236,6 +236,12 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # the guard that keeps long contexts off the graphs reads the batch's longest prefill (0 in a
     # decode batch): a long context is sent to a graph whose block table is too narrow
     "long_context_graph_guard": "replay_matches_eager",
+    # a graph's reuse check compares its inputs' shapes and strides, not their addresses: after a
+    # long prefill reallocates the buffer they view, a replay reads the freed one
+    "src_addresses_unchecked": "replay_matches_eager",
+    # the verify step's flat custom mask built for the real requests only, its offsets covering
+    # the graph's padding rows: a padded replay reads past the mask (an exception on sim)
+    "verify_tree_mask_unpadded": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
@@ -333,7 +339,12 @@ ON_CUDA["layerwise_reload_moe"] = ("replay_matches_eager", "no_device_fault")
 # it; the sim lets the later write land, and catches it at the eighth example.
 NOT_SHOWN_ON_CUDA.add("placeholder_substitution")
 # Not yet run on a GPU. Their correct runners run there.
-NOT_YET_ON_CUDA = {"shared_expert_stream_inplace", "long_context_graph_guard"}
+NOT_YET_ON_CUDA = {
+    "shared_expert_stream_inplace",
+    "long_context_graph_guard",
+    "src_addresses_unchecked",
+    "verify_tree_mask_unpadded",
+}
 # A stale padding slot past the cache is an exception on sim and a device-side assert on a GPU.
 ON_CUDA["flashinfer_kv_layout"] = ("replay_matches_eager", "kv_writes_confined", "no_device_fault")
 # The scratch freed under the graphs holds whatever the allocator put there since: on the H200 a
