@@ -142,22 +142,19 @@ def _results_stay_valid(e: Evidence) -> list[Violation]:
     return found
 
 
-def _on_company_twin(twin: str) -> Callable[[Evidence], list[Violation]]:
-    """The judge of `twin`'s sub-batch (`sampling_check.COMPANY` or `GREEDY_COMPANY`)."""
+def _on_company_twin(check: str, twin: str) -> Check:
+    """`check`, judging `twin`'s sub-batch (`sampling_check.COMPANY` or `GREEDY_COMPANY`) on the
+    steps it ran."""
 
     def judge(e: Evidence) -> list[Violation]:
         for run in e.companies:
             if run.twin == twin:
                 return sampling_check.sampling_independent(
-                    run.batch, run.outcome, e.batch, e.eager, e.spec, e.precision, run.twin
+                    run.batch, run.outcome, e.batch, e.eager, e.spec, e.precision, twin, check
                 )
         return []
 
-    return judge
-
-
-def _ran_on(twin: str) -> Callable[[Evidence], bool]:
-    return lambda e: any(run.twin == twin for run in e.companies)
+    return Check(check, judge, applies=lambda e: any(run.twin == twin for run in e.companies))
 
 
 # A device fault (illegal memory access, device-side assert) kills the process that runs the step:
@@ -214,18 +211,10 @@ REGISTRY: tuple[Check, ...] = (
     # A sampler that reads the wrong row or a stale seed also makes the graph twin's tokens (and
     # with padding noise its logits) differ from eager: naming the sampler before the generic
     # logits comparison points at the cause instead of the symptom.
-    Check(
-        sampling_check.SAMPLING_INDEPENDENT,
-        _on_company_twin(sampling_check.COMPANY),
-        applies=_ran_on(sampling_check.COMPANY),
-    ),
+    _on_company_twin(sampling_check.SAMPLING_INDEPENDENT, sampling_check.COMPANY),
     # Greedy requests in other company; after the sampler's check, so that a persistent batch's
     # row gone wrong for both kinds of request is named where the token is judged too.
-    Check(
-        sampling_check.COMPANY_INDEPENDENT,
-        _on_company_twin(sampling_check.GREEDY_COMPANY),
-        applies=_ran_on(sampling_check.GREEDY_COMPANY),
-    ),
+    _on_company_twin(sampling_check.COMPANY_INDEPENDENT, sampling_check.GREEDY_COMPANY),
     # A result that a later step overwrote reads wrong: in a pipelined pair, the first step's is
     # read only after the second step ran. Name the overwrite before the wrong values.
     Check(checks.RESULTS_STAY_VALID, _results_stay_valid),

@@ -55,8 +55,8 @@ COMPANY_INDEPENDENT = "company_independent"
 
 COMPANY = "company"
 GREEDY_COMPANY = "greedy company"
-"""The company twins' names, as messages give them: `COMPANY` is judged by
-`SAMPLING_INDEPENDENT`, `GREEDY_COMPANY` by `COMPANY_INDEPENDENT`."""
+"""The company twins' names, as messages give them (`registry` judges `COMPANY` by
+`SAMPLING_INDEPENDENT`, `GREEDY_COMPANY` by `COMPANY_INDEPENDENT`)."""
 
 
 @dataclass(frozen=True)
@@ -153,12 +153,12 @@ def sampling_independent(
     spec: TargetSpec,
     precision: torch.dtype | None = None,
     twin: str = COMPANY,
+    check: str = SAMPLING_INDEPENDENT,
 ) -> list[Violation]:
     """A sampled request draws the same token whatever company, row and KV blocks it runs in,
     where its logits agree (`precision`: as for `checks.replay_matches_eager`); a greedy one on
-    `twin` has the same logits and the same argmax. Violations on `GREEDY_COMPANY` are
-    `COMPANY_INDEPENDENT`'s, whether or not the runner samples."""
-    check = COMPANY_INDEPENDENT if twin == GREEDY_COMPANY else SAMPLING_INDEPENDENT
+    `twin` has the same logits and the same argmax. Violations are `check`'s (the registry
+    judges `GREEDY_COMPANY` as `COMPANY_INDEPENDENT`)."""
     if eager.result is None:
         return []  # replay_matches_eager reports a failing eager twin
     if company.result is None:

@@ -371,6 +371,7 @@ def test_a_greedy_request_whose_logits_move_with_its_company_fails():
         Outcome(result(GOOD)),
         SPEC,
         twin=sampling_check.GREEDY_COMPANY,
+        check=sampling_check.COMPANY_INDEPENDENT,
     )
     assert (v.check, v.req_id) == (sampling_check.COMPANY_INDEPENDENT, 7)
     assert v.detail.startswith("logits depend on batch company")
