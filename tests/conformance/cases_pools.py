@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from pytest_graphmode.runtime import backends
-from tests.conformance.case import case, value
+from tests.conformance.case import another_stream, case, value
 
 
 @case("overwritten")
@@ -77,6 +77,24 @@ def other_graphs_pool_reuses_a_dropped_output(be: Any) -> str:
 
 
 @case("new address")
+def a_block_a_graph_branch_freed_is_not_handed_to_the_origin(be: Any) -> str:
+    # The caching allocator hands a freed block only to the stream that allocated it: a block
+    # the side branch freed would otherwise tie the origin's work to the branch's.
+    x = torch.ones(1024, device=be.device)
+    g = be.Graph()
+    with be.graph(g):
+        origin, side = be.current_stream(), another_stream(be)
+        side.wait_stream(origin)
+        with be.stream(side):
+            first = x * 2
+            address = first.data_ptr()
+            del first
+        second = x * 3
+        origin.wait_stream(side)
+    return "same address" if second.data_ptr() == address else "new address"
+
+
+@case("new address")
 def private_pools_do_not_share(be: Any) -> str:
     x = torch.ones(1024, device=be.device)
     g1, g2 = be.Graph(), be.Graph()
@@ -132,6 +150,52 @@ def pool_of_a_reset_graph(be: Any) -> str:
     g.reset()
     g.pool()
     return "pool"
+
+
+def _capture_again_into_a_pool(be: Any, keep_one: bool, outputs_die: str) -> str:
+    """Two graphs captured into one pool handle, both reset (or one kept), then a third capture
+    into the same handle. `outputs_die`: when the first two graphs' outputs are dropped
+    ("before the reset", "after the reset" or "never"). CUDA frees a pool whose graphs were all
+    reset once none of its blocks is in use, and refuses to share it until then."""
+    x = torch.ones(4, device=be.device)
+    pool = be.graph_pool_handle()
+    g1, g2 = be.Graph(), be.Graph()
+    with be.graph(g1, pool=pool):
+        outputs = [x * 2]
+    with be.graph(g2, pool=pool):
+        outputs.append(x * 3)
+    if outputs_die == "before the reset":
+        outputs.clear()
+    g1.reset()
+    if not keep_one:
+        g2.reset()
+    if outputs_die == "after the reset":
+        outputs.clear()
+    g3 = be.Graph()
+    with be.graph(g3, pool=pool):
+        y3 = x * 4
+    g3.replay()
+    return value(be, y3)
+
+
+@case("raises RuntimeError")
+def capture_into_a_pool_whose_graphs_were_all_reset_while_an_output_lives(be: Any) -> str:
+    return _capture_again_into_a_pool(be, keep_one=False, outputs_die="never")
+
+
+@case("value=[4.0, 4.0, 4.0, 4.0]")
+def capture_into_a_pool_one_of_whose_graphs_lives(be: Any) -> str:
+    return _capture_again_into_a_pool(be, keep_one=True, outputs_die="never")
+
+
+@case("value=[4.0, 4.0, 4.0, 4.0]")
+def capture_into_a_pool_whose_graphs_were_reset_after_their_outputs_died(be: Any) -> str:
+    return _capture_again_into_a_pool(be, keep_one=False, outputs_die="before the reset")
+
+
+@case("value=[4.0, 4.0, 4.0, 4.0]")
+def capture_into_a_pool_whose_outputs_died_after_its_graphs_were_reset(be: Any) -> str:
+    return _capture_again_into_a_pool(be, keep_one=False, outputs_die="after the reset")
 
 
 @case("value=[2.0, 2.0, 2.0, 2.0]")

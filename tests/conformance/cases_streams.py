@@ -117,6 +117,66 @@ def allocation_on_an_outside_stream_during_capture(be: Any) -> str:
     return "captured"
 
 
+def _branch_reads_what_the_origin_overwrites(be: Any, join: bool) -> str:
+    """A graph whose side branch reads `x` while the origin's branch overwrites it in place
+    (`join`: the origin waits for the side branch first). On cuda the side branch starts late
+    (`busy`, captured); on sim a replay's branches run in an order its seed picks."""
+    x = torch.zeros(4, device=be.device)
+    g = be.Graph()
+    with be.graph(g):
+        origin = be.current_stream()
+        side = another_stream(be)
+        side.wait_stream(origin)
+        with be.stream(side):
+            busy(be)
+            y = x * 2
+        if join:
+            origin.wait_stream(side)
+        x.fill_(100.0)
+        origin.wait_stream(side)
+
+    def trial() -> str:
+        x.fill_(1.0)
+        g.replay()
+        be.synchronize()
+        return "overwritten first" if bool((y == 200.0).all()) else "input"
+
+    return racy(be, trial, shows="overwritten first")
+
+
+@case("overwritten first")
+def a_graph_branch_races_with_an_in_place_write_of_another_branch(be: Any) -> str:
+    return _branch_reads_what_the_origin_overwrites(be, join=False)
+
+
+@case("input")
+def a_graph_branch_joined_before_the_in_place_write_reads_its_input(be: Any) -> str:
+    return _branch_reads_what_the_origin_overwrites(be, join=True)
+
+
+@case("stale")
+def a_graph_branch_output_read_before_the_join(be: Any) -> str:
+    out = torch.zeros(4, device=be.device)
+    g = be.Graph()
+    with be.graph(g):
+        origin = be.current_stream()
+        side = another_stream(be)
+        side.wait_stream(origin)
+        with be.stream(side):
+            busy(be)
+            out.fill_(7.0)
+        seen = out * 1  # on the origin's branch, which has not waited for the side branch
+        origin.wait_stream(side)
+
+    def trial() -> str:
+        out.fill_(1.0)
+        g.replay()
+        be.synchronize()
+        return "stale" if bool((seen == 1.0).all()) else "fresh"
+
+    return racy(be, trial, shows="stale")
+
+
 def _replay_on_a_side_stream(be: Any, wait: bool) -> str:
     x = torch.ones(4, device=be.device)
     g = be.Graph()

@@ -233,6 +233,10 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # the shared expert on a side stream reads the MoE input that the routed experts overwrite in
     # place on the main stream, nothing ordering the two (found in the capture's eager warm-up)
     "shared_expert_stream_inplace": "no_stream_races",
+    # the shared expert writes its output into the MoE input in place while the routed experts on
+    # a side stream read it; the two streams meet only inside the captured graphs, whose branches
+    # the sim judges at capture (found when the twins are made)
+    "dual_stream_capture_only": "no_stream_races",
     # the guard that keeps long contexts off the graphs reads the batch's longest prefill (0 in a
     # decode batch): a long context is sent to a graph whose block table is too narrow
     "long_context_graph_guard": "replay_matches_eager",
@@ -246,9 +250,11 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
 # register), on sim as on CUDA; a warm-up of padding rows writes the cache's last slot (its
-# keys, or a float8 cache's scales); a warm-up's two streams race (sim's race checker only).
+# keys, or a float8 cache's scales); two streams race in a warm-up or in a captured graph's
+# branches (sim's race checker only).
 AT_START_UP = {
     "shared_expert_stream_inplace",
+    "dual_stream_capture_only",
     "side_stream_escapes_capture",
     "generator_not_registered",
     "pad_slot_wraps_to_last",
@@ -339,12 +345,18 @@ ON_CUDA["layerwise_reload_moe"] = ("replay_matches_eager", "no_device_fault")
 # it; the sim lets the later write land, and catches it at the eighth example.
 NOT_SHOWN_ON_CUDA.add("placeholder_substitution")
 # Not yet run on a GPU. Their correct runners run there.
-NOT_YET_ON_CUDA = {
-    "shared_expert_stream_inplace",
-    "long_context_graph_guard",
-    "src_addresses_unchecked",
-    "verify_tree_mask_unpadded",
-}
+NOT_YET_ON_CUDA: set[str] = set()
+# The shared expert's read and the routed experts' in-place write raced on the H100 in no order
+# that changed a value (seeds 0-2, 20 examples each, 2026-12-06, late); the sim's race checker
+# reports the race when the twins are made.
+NOT_SHOWN_ON_CUDA.add("shared_expert_stream_inplace")
+# Races the sim reports when the twins are made, from its race checker; on a GPU only a value
+# can show them, in a step.
+RACES_AT_START_UP = {"shared_expert_stream_inplace", "dual_stream_capture_only"}
+# The graph reads the freed input buffer, or a mask past its end: device-side asserts on the H100
+# at the second and third example of seeds 0-2 (2026-12-06, late).
+ON_CUDA["src_addresses_unchecked"] = ("replay_matches_eager", "no_device_fault")
+ON_CUDA["verify_tree_mask_unpadded"] = ("replay_matches_eager", "no_device_fault")
 # A stale padding slot past the cache is an exception on sim and a device-side assert on a GPU.
 ON_CUDA["flashinfer_kv_layout"] = ("replay_matches_eager", "kv_writes_confined", "no_device_fault")
 # The scratch freed under the graphs holds whatever the allocator put there since: on the H200 a
@@ -409,7 +421,8 @@ def test_the_bug_is_caught_on_a_gpu_within_the_leading_examples_or_its_budget(ru
             seed=0,
             shrink_seconds=0,
         )
-    assert_caught(caught.value.failure, ON_CUDA[runner], at_start_up=runner in AT_START_UP)
+    at_start_up = runner in AT_START_UP - RACES_AT_START_UP
+    assert_caught(caught.value.failure, ON_CUDA[runner], at_start_up=at_start_up)
 
 
 def _need_a_gpu(runner: str) -> None:

@@ -21,10 +21,12 @@ from torch.utils._pytree import tree_leaves
 
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
 from pytest_graphmode.runtime.backends.sim import footprint, ops
+from pytest_graphmode.runtime.backends.sim.capture_order import Branches, CaptureOrder
 from pytest_graphmode.runtime.backends.sim.device import POOLED, VIEW_OF, SimDeviceTensor
 from pytest_graphmode.runtime.backends.sim.footprint import Footprint
 from pytest_graphmode.runtime.backends.sim.generators import CapturedDraws, philox_state
-from pytest_graphmode.runtime.backends.sim.pool import poison_
+from pytest_graphmode.runtime.backends.sim.happens_before import Touch
+from pytest_graphmode.runtime.backends.sim.pool import SimPoolHandle, poison_
 
 if TYPE_CHECKING:
     from pytest_graphmode.runtime.backends.sim.memory_ledger import DeviceMemory
@@ -134,6 +136,7 @@ class Program:
         kept: dict[int, torch.UntypedStorage] | None = None,
         external_events: list[Any] | None = None,
         draws: CapturedDraws | None = None,
+        branches: Branches | None = None,
     ) -> None:
         self._env = env
         self._externals = externals
@@ -145,6 +148,8 @@ class Program:
         self.last_launch: Any = None
         self.external_events = external_events or []  # events made with external=True it records
         self.draws = draws or CapturedDraws()  # from device generators, bound at each launch
+        # The order of a capture that forked side streams: a launch picks one order it allows.
+        self.branches = branches
         self._first_reader: dict[int, str] = {}
         for ins in instrs:
             for ref in _refs(ins.args, ins.kwargs):
@@ -161,12 +166,17 @@ class Program:
         return [self._storage(ext) for ext in self._externals]
 
     def run(
-        self, storages: list[torch.UntypedStorage], draws: list[tuple[int, int]] | None = None
+        self,
+        storages: list[torch.UntypedStorage],
+        draws: list[tuple[int, int]] | None = None,
+        order: list[int] | None = None,
     ) -> None:
         """One replay on `storages` (`live_storages`'s, at the replay's issue), its draws at the
-        seeds and offsets its launch reserved (`CapturedDraws.reserve`)."""
+        seeds and offsets its launch reserved (`CapturedDraws.reserve`), its instructions in
+        `order` (one `branches` allows; recorded order when None)."""
         if draws:
             self.draws.bind(draws)
+        plans = self._plans if order is None else [self._plans[i] for i in order]
         env = list(self._env)
         for ext, storage in zip(self._externals, storages, strict=True):
             t = torch.empty(0, dtype=ext.dtype)
@@ -181,7 +191,7 @@ class Program:
                 kwargs_refs,
                 view_outs,
                 fresh,
-            ) in self._plans:
+            ) in plans:
                 args = template.copy()
                 for i, slot in direct:
                     args[i] = env[slot]
@@ -331,13 +341,17 @@ class Capture:
         self._ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._touched: dict[tuple[Footprint, bool], weakref.ref[torch.UntypedStorage]] = {}
         self._draws = CapturedDraws()
+        self.order = CaptureOrder()
         self.invalid: str | None = None
 
     def fail(self, message: str) -> CaptureError:
         self.invalid = self.invalid or message
         return CaptureError(message)
 
-    def record(self, op: ops.OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def record(
+        self, op: ops.OpFacts, args: tuple[Any, ...], kwargs: dict[str, Any], stream: Any
+    ) -> Any:
+        """`op` issued on `stream`, a stream of this capture: recorded, not run."""
         if self.invalid is not None:
             raise CaptureError(f"capture already invalidated: {self.invalid}")
         problem = ops.capture_violation(op, args, kwargs)
@@ -352,7 +366,7 @@ class Capture:
         if op.constant:
             return self._constant(args[0])
         if op.empty:
-            return self._allocate(ops.meta_outputs(op, args, kwargs))[0][0]
+            return self._allocate(ops.meta_outputs(op, args, kwargs), stream)[0][0]
         # Host tensors reach a captured operation only as 0-dim operands, which CUDA passes as
         # kernel arguments (their value now is baked in), and as the pinned side of a
         # non_blocking copy, which the graph reads or writes at every replay.
@@ -366,22 +380,26 @@ class Capture:
             outs = list(out) if isinstance(out, tuple | list) else [out]
             slots = [self._bind(o, self._new_slot(None)) for o in outs]
             self._instrs.append(_Instr(func, targs, tkwargs, slots, []))
+            self.order.node(stream, self._refs_once_forked(targs, tkwargs), slots)
             return out
         positions = op.fresh_positions
         metas = ops.checked_layouts(op, args, kwargs)
-        fresh, slots = self._allocate([metas[p] for p in positions])
+        fresh, slots = self._allocate([metas[p] for p in positions], stream)
         self._instrs.append(
             _Instr(func, targs, tkwargs, None, list(zip(positions, slots, strict=True)))
         )
-        self._touch(ops.touched(op, args, kwargs, fresh))
+        node = self.order.node(stream, self._refs_once_forked(targs, tkwargs), None)
+        touched = self._touch(ops.touched(op, args, kwargs, fresh))
+        self.order.touched(stream, node, touched, op.name)
         return ops.assemble_returns(op, args, kwargs, dict(zip(positions, fresh, strict=True)))
 
     def finish(self) -> Program:
         """Freeze the program; views of owned memory are computed once here."""
         constant = set(self._owned)
         kept: list[_Instr] = []
+        kept_at: list[int] = []  # their indices among the recorded instructions
         env = list(self._env)
-        for ins in self._instrs:
+        for index, ins in enumerate(self._instrs):
             if ins.view_outs is not None and set(_refs(ins.args, ins.kwargs)) <= constant:
                 out = ins.func(
                     *[_resolve(a, env) for a in ins.args],
@@ -393,14 +411,26 @@ class Capture:
                     constant.add(slot)
             else:
                 kept.append(ins)
+                kept_at.append(index)
         for slot in range(len(env)):
             if slot not in constant:
                 env[slot] = None
         refs = {fp.storage: ref for (fp, _), ref in self._touched.items()}
         accesses = [(refs[fp.storage], fp, write) for fp, write in footprint.merge(self._touched)]
         return Program(
-            env, self._externals, kept, accesses, self._kept, self._external_events, self._draws
+            env,
+            self._externals,
+            kept,
+            accesses,
+            self._kept,
+            self._external_events,
+            self._draws,
+            self.order.branches(kept_at),
         )
+
+    def _refs_once_forked(self, args: list[Any], kwargs: dict[str, Any]) -> list[int]:
+        """The slots an instruction reads, which the order needs only once the capture forked."""
+        return _refs(args, kwargs) if self.order.forked else []
 
     def records_external(self, event: Any) -> None:
         """An event made with external=True recorded in the capture: each replay records it."""
@@ -423,12 +453,18 @@ class Capture:
             if made is not None and made() is not None:
                 self._kept[template.idx] = storage
 
-    def _touch(self, touched: list[tuple[torch.Tensor, bool]]) -> None:
+    def _touch(self, touched: list[tuple[torch.Tensor, bool]]) -> list[Touch]:
+        """Note what an instruction touches (a replay touches all of it); returns it as
+        (storage, footprint, write)."""
         known = self._touched
+        located = []
         for t, write in touched:
             found = footprint.of(t)
-            if found is not None and (found[1], write) not in known:
-                known[(found[1], write)] = weakref.ref(found[0])
+            if found is not None:
+                located.append((found[0], found[1], write))
+                if (found[1], write) not in known:
+                    known[(found[1], write)] = weakref.ref(found[0])
+        return located
 
     # -- values ---------------------------------------------------------------------------------
 
@@ -477,13 +513,22 @@ class Capture:
         self._bind(t, slot)
         return t
 
-    def _allocate(self, metas: list[ops.Layout]) -> tuple[list[torch.Tensor], list[int]]:
-        """Pool-backed, poisoned outputs: one tensor for the program, one handed to the caller."""
+    def _allocate(
+        self, metas: list[ops.Layout], stream: Any
+    ) -> tuple[list[torch.Tensor], list[int]]:
+        """Pool-backed, poisoned outputs of work on `stream`: one tensor for the program, one
+        handed to the caller."""
         fresh, slots = [], []
+        pool = self.pool
+        own = isinstance(pool, SimPoolHandle)  # a runner's own SimCapturePool takes no stream
         for meta in metas:
-            block = self.pool.allocate(meta.nbytes)
+            block = (
+                pool.allocate(meta.nbytes, stream.stream_id) if own else pool.allocate(meta.nbytes)
+            )
             offset = block.storage_offset() // meta.itemsize
             storage = block.untyped_storage()
+            lo = block.storage_offset() * block.element_size()
+            self.order.handed_out(stream, storage.data_ptr(), lo, lo + block.nbytes)
             owned = torch.empty(0, dtype=meta.dtype).set_(storage, offset, meta.shape, meta.stride)
             poison_(owned)
             handed = torch.empty(0, dtype=meta.dtype).set_(storage, offset, meta.shape, meta.stride)

@@ -53,6 +53,10 @@ class Capturing(StreamsAndEvents):
                 f"capture_error_mode={error_mode!r}: choose one of {', '.join(_ERROR_MODES)}"
             )
         handle = self._resolve_pool(pool)
+        if isinstance(handle, SimPoolHandle):
+            if handle.refuses_captures():
+                raise RuntimeError(_released_pool(handle))
+            handle.held_by(graph)
         self.scheduler.drain(origin)
         capture = Capture(
             handle, _release_block, keeps_pinned=KEEPS_CAPTURED_PINNED_BLOCKS, memory=self.memory
@@ -74,6 +78,13 @@ class Capturing(StreamsAndEvents):
     def _end_capture(self, graph: SimGraph) -> None:
         active = self._require_active(graph)
         self._active = None
+        try:
+            self._finish_capture(graph, active)
+        except BaseException:
+            _failed(graph)
+            raise
+
+    def _finish_capture(self, graph: SimGraph, active: ActiveCapture) -> None:
         self._check_seed(active)
         if active.capture.invalid is not None:
             raise CaptureError(f"capture was invalidated: {active.capture.invalid}")
@@ -86,6 +97,8 @@ class Capturing(StreamsAndEvents):
                 "capture_end (cudaErrorStreamCaptureUnjoined): make the capturing stream "
                 "wait_stream() on each side stream after its last work"
             )
+        for race in active.capture.order.take_races():
+            self._races.report(race)
         # Internal: instantiating the graph computes views of its own memory, which are no
         # scheduling points for queued work and no operations of the caller.
         graph._program = self._internal(active.capture.finish)
@@ -97,6 +110,7 @@ class Capturing(StreamsAndEvents):
         if self._active is not None and self._active.graph is graph:
             self._active = None
             graph._program = None
+            _failed(graph)
 
     def _require_active(self, graph: SimGraph) -> ActiveCapture:
         if self._active is None or self._active.graph is not graph:
@@ -151,7 +165,10 @@ class Capturing(StreamsAndEvents):
 
         retired = self._retired_by(agent, written) if written else []
         draws = program.draws.reserve() if program.draws else None
-        run = self._after_watches(watches, functools.partial(program.run, storages, draws), retired)
+        branches = program.branches
+        order = branches.linear_extension(self.scheduler.rng) if branches else None
+        replay = functools.partial(program.run, storages, draws, order)
+        run = self._after_watches(watches, replay, retired)
         self.scheduler.enqueue(self._current, new_work(run, "graph replay"))
         launched = SimEvent()
         self.event_record(launched, self._current)
@@ -162,3 +179,19 @@ class Capturing(StreamsAndEvents):
 
 def _release_block(pool: Any, block: torch.Tensor) -> None:
     pool.release(block)
+
+
+def _failed(graph: SimGraph) -> None:
+    """A capture that did not end keeps its use of the pool for good, as on CUDA."""
+    if isinstance(graph._pool, SimPoolHandle):
+        graph._pool.let_go(graph, failed=True)
+
+
+def _released_pool(handle: SimPoolHandle) -> str:
+    return (
+        "it->second->use_count > 0 INTERNAL ASSERT FAILED (as CUDA's caching allocator reports "
+        f"it): every graph captured into graph pool {handle.id} was reset or destroyed while an "
+        "output of theirs is still alive, and torch keeps such a pool, refusing to share it, "
+        "until its last block is freed. Capture the new graph before resetting the last one on "
+        "this pool, drop the old graphs' outputs first, or take a new graph_pool_handle()"
+    )

@@ -130,7 +130,7 @@ class Dispatching(Capturing):
             active.ops_on[stream] += 1
             if stream is not active.origin:
                 active.unjoined[stream] = True
-            return active.capture.record(ops.facts(ops.aten.copy_.default), args, kwargs)
+            return active.capture.record(ops.facts(ops.aten.copy_.default), args, kwargs, stream)
         self.scheduler.maybe_progress()
         if non_blocking and pinned:
             touched = [(src, False), (dst, True)]
@@ -224,7 +224,7 @@ class Dispatching(Capturing):
             active.unjoined[stream] = True
         if not op.quiet and ops.capture_violation(op, args, kwargs) is None:
             check_kernel_dtypes(op, args, kwargs, tensors, self._internal)
-        return active.capture.record(op, args, kwargs)
+        return active.capture.record(op, args, kwargs, stream)
 
     def _defer(
         self,

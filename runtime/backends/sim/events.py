@@ -19,7 +19,10 @@ class StreamsAndEvents(AccessNotes):
         if active is not None and event.capture_position is not None:
             owner, position = event.capture_position
             if owner is active:
-                if stream not in active.unjoined:
+                forks = stream not in active.unjoined
+                if event.capture_point is not None:
+                    active.capture.order.waited(stream, event.capture_point, forks)
+                if forks:
                     active.unjoined[stream] = True  # forked into the capture
                     active.ops_on[stream] = 0
                 elif event.recorded_on is not None and position == active.ops_on.get(
@@ -48,12 +51,13 @@ class StreamsAndEvents(AccessNotes):
         active = self._active
         if active is not None and stream in active.unjoined:
             event.capture_position = (active, active.ops_on[stream])
+            event.capture_point = active.capture.order.recorded(stream)
             event.marker = None
             event.clock = None
             if event.external:
                 active.capture.records_external(event)
             return
-        event.capture_position = None
+        event.capture_position = event.capture_point = None
         event.marker = new_marker(stream)
         event.clock = self._races.record(self._races.agent(stream))
         self.scheduler.enqueue(stream, event.marker)

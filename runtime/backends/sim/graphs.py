@@ -8,6 +8,7 @@ from typing import Any
 from pytest_graphmode.runtime.backends.sim.capture import Program
 from pytest_graphmode.runtime.backends.sim.generators import is_device_generator
 from pytest_graphmode.runtime.backends.sim.limits import SimUnsupportedError
+from pytest_graphmode.runtime.backends.sim.pool import SimPoolHandle
 
 
 class SimGraph:
@@ -51,6 +52,8 @@ class SimGraph:
     def reset(self) -> None:
         # As CUDA's: the graph lets go of its pool, and pool() has nothing to share until the
         # next capture.
+        if self._program is not None and isinstance(self._pool, SimPoolHandle):
+            self._pool.let_go(self)
         self._program = None
         self._pool = None
 

@@ -90,7 +90,9 @@ class _Watch:
 class RaceChecker:
     """The clocks and access histories of one sim backend; `take()` hands over what it found."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_storage: int = _PER_STORAGE) -> None:
+        """`per_storage`: accesses kept per storage before the oldest is forgotten."""
+        self._per_storage = per_storage
         self._clocks: dict[int, Clock] = {HOST: {HOST: 0}}
         self._streams: dict[int, weakref.ref[Any]] = {}
         self._names: dict[int, str] = {HOST: "the host"}
@@ -193,6 +195,17 @@ class RaceChecker:
         return True
 
     # -- accesses ---------------------------------------------------------------------------------
+
+    def forget(self, storage: int, lo: int, hi: int) -> None:
+        """Bytes [lo, hi) of the storage at `storage` are handed out again (a pool block): every
+        tensor that touched them is gone (a block is handed out only once free), so their
+        accesses are dropped."""
+        self._flush()
+        history = self._history.get(storage)
+        if history is not None:
+            history.accesses = [
+                old for old in history.accesses if not (old.fp.lo < hi and lo < old.fp.hi)
+            ]
 
     def access(
         self, agent: int, touched: Sequence[Touch], op: str, *, keep: bool = False
@@ -328,7 +341,7 @@ class RaceChecker:
                 continue  # anything racing with `old` from now on races with `new` too
             kept.append(old)
         kept.append(new)
-        if len(kept) > _PER_STORAGE:
+        if len(kept) > self._per_storage:
             del kept[0]
         history.accesses = kept
 

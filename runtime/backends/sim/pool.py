@@ -8,7 +8,8 @@ pool, which is exactly what makes pool sharing safe only when replays never over
 from __future__ import annotations
 
 import itertools
-from typing import Protocol, runtime_checkable
+import weakref
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -43,15 +44,46 @@ class SimPoolHandle:
         self._chunks: list[torch.Tensor] = []
         # per chunk: sorted list of free (start, end) byte ranges
         self._free: list[list[tuple[int, int]]] = []
+        self._streams: list[int | None] = []  # per chunk: the stream it serves
+        # The graphs captured (or capturing) into this pool and not reset since: CUDA's use
+        # count of a pool. Once it falls to zero, CUDA frees the pool as soon as none of its
+        # blocks is in use; until then it refuses a capture into it (`refuses_captures`).
+        self._graphs: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._held_forever = False  # a capture failed: CUDA never gives back its use
+
+    def refuses_captures(self) -> bool:
+        """Whether CUDA would refuse a capture into this pool now: every graph that captured
+        into it was reset or destroyed, and a block of it is still in use (an output alive).
+        Such a pool with no block in use is CUDA's to free: the next capture starts afresh."""
+        if self._held_forever or self._graphs or not self._chunks:
+            return False
+        return any(
+            ranges != [(0, c.numel())] for c, ranges in zip(self._chunks, self._free, strict=True)
+        )
+
+    def held_by(self, graph: Any) -> None:
+        """A capture into this pool begins."""
+        self._graphs.add(graph)
+
+    def let_go(self, graph: Any, *, failed: bool = False) -> None:
+        """`graph` was reset, or its capture `failed` (CUDA keeps a failed capture's use)."""
+        if failed:
+            self._held_forever = True
+        self._graphs.discard(graph)
 
     @property
     def reserved_bytes(self) -> int:
         return sum(c.numel() for c in self._chunks)
 
-    def allocate(self, nbytes: int) -> torch.Tensor:
+    def allocate(self, nbytes: int, stream: int | None = None) -> torch.Tensor:
+        """A block of `nbytes` for work on `stream` (a stream id). As in CUDA's caching
+        allocator, a chunk serves the stream that first allocated from it only: a block freed
+        by one stream of a capture is never handed to another, which would order their work."""
         size = _round_up(max(nbytes, 1), ALIGNMENT)
         best: tuple[int, int, int] | None = None  # (waste, chunk, index in free list)
         for c, ranges in enumerate(self._free):
+            if self._streams[c] != stream:
+                continue
             for i, (start, end) in enumerate(ranges):
                 waste = end - start - size
                 if waste >= 0 and (best is None or waste < best[0]):
@@ -60,6 +92,7 @@ class SimPoolHandle:
             chunk = torch.empty(_round_up(size, self._chunk_bytes), dtype=torch.uint8)
             self._chunks.append(chunk)
             self._free.append([(0, chunk.numel())])
+            self._streams.append(stream)
             best = (chunk.numel() - size, len(self._chunks) - 1, 0)
         _, c, i = best
         start, end = self._free[c][i]

@@ -68,6 +68,11 @@ class StreamScheduler:
     def set_seed(self, seed: int) -> None:
         self._rng = random.Random(seed)
 
+    @property
+    def rng(self) -> random.Random:
+        """The seeded generator that picks schedules (also a replay's order of its branches)."""
+        return self._rng
+
     def enqueue(self, stream: SimStream, item: _Item) -> None:
         self._queues.setdefault(stream, deque()).append(item)
 
@@ -258,6 +263,8 @@ class SimEvent:
         self.marker: _Marker | None = None
         self.recorded_on: SimStream | None = None
         self.capture_position: tuple[object, int] | None = None
+        # Where it was recorded in the order of a capture's work (capture_order.EventPoint)
+        self.capture_point: Any = None
         # The race checker's vector clock of the recording point (None: never recorded, or
         # recorded inside a capture, where a replay is one piece of work)
         self.clock: dict[int, int] | None = None

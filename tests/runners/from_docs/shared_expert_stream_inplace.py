@@ -21,9 +21,8 @@ record_stream to avoid gc issues"), carried over from https://github.com/vllm-pr
 (found while investigating issue #28220); the same in-place mutation is behind
 https://github.com/vllm-project/vllm/pull/28939.
 
-Not expressible: the contract has no way to say that the two streams run in parallel inside one
-replay; on sim a replay is one operation on its stream, so only the eager steps (and the capture
-warm-up) show the race.
+The race shows in the eager steps, in the capture warm-up and, since the sim judges a graph's
+branches at capture (2026-12-06, late), inside the captured graphs too.
 """
 
 from __future__ import annotations

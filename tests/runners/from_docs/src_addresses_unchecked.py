@@ -128,15 +128,16 @@ class Runner:
 
     # ---- graphs ----
     def capture(self, n: int) -> None:
-        old = self.graphs.pop(n, None)
-        if old is not None:
-            old[0].reset()
         self.forward(n)  # warm-up outside the graph
         self.be.synchronize()
         graph = self.be.Graph()
         with self.be.graph(graph, pool=self.pool):
             outputs = self.forward(n)
+        old = self.graphs.get(n)
         self.graphs[n] = (graph, outputs, self.properties(n))
+        if old is not None:
+            # Only now: torch refuses a capture into a pool whose graphs were all reset.
+            old[0].reset()
 
     def graph_size(self, batch: Batch) -> int | None:
         if self.mode != "graph" or any(q != 1 for q in batch.query_lens):
