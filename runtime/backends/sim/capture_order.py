@@ -65,7 +65,7 @@ class CaptureOrder:
         """Whether a second stream has joined the capture."""
         return self._forked_at is not None
 
-    def agent(self, stream: Any) -> int:
+    def _agent(self, stream: Any) -> int:
         return self._races.agent(stream)
 
     def node(self, stream: Any, refs: Sequence[int], view_outs: Sequence[int] | None) -> int:
@@ -82,7 +82,7 @@ class CaptureOrder:
             for slot in view_outs:
                 self._view_of[slot] = index
             return index
-        agent = self.agent(stream)
+        agent = self._agent(stream)
         before = self._last.get(agent)
         if before is not None:
             deps.add(before)
@@ -96,16 +96,17 @@ class CaptureOrder:
         """The accesses of compute `node`: judged against the other branches once forked."""
         if self._forked_at is None:
             return
-        agent = self.agent(stream)
+        agent = self._agent(stream)
         self._races.access(agent, touched, op)
         self._used(node, agent, touched)
 
     def handed_out(self, stream: Any, storage: int, lo: int, hi: int) -> None:
         """Bytes [lo, hi) of a pool chunk handed to a new tensor of `stream`. The tensors that
         touched them are gone: their accesses race with nothing from now on. But a replay must
-        still run their last users first: the stream's next compute node follows them (a
-        caching allocator hands a block out in stream order; the sim's pool, unlike CUDA's, is
-        not per stream)."""
+        still run their last users first: the stream's next compute node follows them, as if
+        the allocator had waited for them. (The sim's own pools hand a block only to the stream
+        that allocated it, as CUDA's do, where its own earlier work is ordered already; a
+        runner's own pool may hand it to another stream.)"""
         if self._forked_at is None:
             return
         self._races.forget(storage, lo, hi)
@@ -121,7 +122,7 @@ class CaptureOrder:
                     continue  # wholly reused: the next owner's node stands for it from now on
             kept.append(use)
         self._users[storage] = kept
-        self._waits.setdefault(self.agent(stream), []).extend(last)
+        self._waits.setdefault(self._agent(stream), []).extend(last)
 
     def _used(self, node: int, agent: int, touched: list[Touch]) -> None:
         """Remember which bytes compute `node` touched, for a later reuse of them. An earlier
@@ -139,7 +140,7 @@ class CaptureOrder:
     def recorded(self, stream: Any) -> EventPoint:
         """An event recorded on `stream` inside the capture: the nodes a wait on it follows (the
         stream's last node and what it waited for since), and its clock."""
-        agent = self.agent(stream)
+        agent = self._agent(stream)
         last = self._last.get(agent)
         nodes = tuple(self._waits.get(agent, ())) + (() if last is None else (last,))
         return nodes, self._races.record(agent)
@@ -150,7 +151,7 @@ class CaptureOrder:
         if forks and self._forked_at is None:
             self._forked_at = self._count
         nodes, clock = point
-        agent = self.agent(stream)
+        agent = self._agent(stream)
         self._races.wait(agent, clock)
         if nodes:
             self._waits.setdefault(agent, []).extend(nodes)

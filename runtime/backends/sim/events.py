@@ -20,8 +20,7 @@ class StreamsAndEvents(AccessNotes):
             owner, position = event.capture_position
             if owner is active:
                 forks = stream not in active.unjoined
-                if event.capture_point is not None:
-                    active.capture.order.waited(stream, event.capture_point, forks)
+                active.capture.order.waited(stream, event.capture_point, forks)
                 if forks:
                     active.unjoined[stream] = True  # forked into the capture
                     active.ops_on[stream] = 0
