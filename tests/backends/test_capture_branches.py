@@ -5,6 +5,7 @@ branches in an order its scheduler seed picks.
 Every racy graph is also captured with the missing join added, and must then report nothing and
 replay one value under every seed."""
 
+import contextlib
 import random
 
 import pytest
@@ -112,6 +113,102 @@ def test_a_block_a_branch_freed_serves_that_branch_only(sim):
     assert z.data_ptr() != block and w.data_ptr() == block
     assert sim.take_races() == []
     assert _values_over_seeds(sim, g, x, w) == {(8.0,) * 256}
+
+
+def _free_under_a_branch(sim, x: torch.Tensor, *, kept_by: str, pool=None):
+    """The origin frees a block the side branch reads, then allocates one of its size. `kept_by`:
+    what keeps the block for the branch ("nothing", "record_stream", or an "event" the origin
+    waits on after the branch's read)."""
+    g = sim.Graph()
+    with sim.graph(g, pool=pool):
+        origin, side = sim.current_stream(), sim.Stream()
+        first = x * 2
+        block = first.data_ptr()
+        side.wait_stream(origin)
+        with sim.stream(side):
+            seen = first + 1
+            read = sim.Event()
+            read.record()
+        if kept_by == "record_stream":
+            first.record_stream(side)
+        elif kept_by == "event":
+            origin.wait_event(read)
+        del first
+        second = x * 50
+        origin.wait_stream(side)
+    return g, seen, second.data_ptr() == block
+
+
+def test_a_block_freed_while_another_branch_reads_it_races_with_its_next_owner(sim):
+    """In a capture CUDA's caching allocator hands a freed block at once to the next allocation
+    of its stream: the branch that still reads it runs side by side with the new owner at every
+    replay. The sim reports it at capture and replays either order."""
+    x = torch.ones(256, device=sim.device)
+    sim.take_races()
+    g, seen, reused = _free_under_a_branch(sim, x, kept_by="nothing")
+    assert reused
+    races = sim.take_races()
+    assert len(races) == 1, [r.describe() for r in races]
+    race = races[0]
+    assert (race.earlier.op, race.earlier.access) == ("aten.add.Tensor", "read")
+    assert race.later.op == "aten.mul.Tensor (an allocation handed the freed block)"
+    assert race.earlier.stream != race.later.stream
+    assert HERE in race.later.line
+    assert "record_stream" in race.cause and "freed a block" in race.cause
+    assert _values_over_seeds(sim, g, x, seen) == {(3.0,) * 256, (51.0,) * 256}
+
+
+@pytest.mark.parametrize("kept_by", ["record_stream", "event"])
+def test_a_block_kept_for_the_branch_that_reads_it_is_no_race(sim, kept_by):
+    """`record_stream` keeps the block from every allocation until the capture ends; an event
+    wait orders its next owner after the branch's read."""
+    x = torch.ones(256, device=sim.device)
+    sim.take_races()
+    g, seen, reused = _free_under_a_branch(sim, x, kept_by=kept_by)
+    assert reused == (kept_by == "event")
+    assert sim.take_races() == []
+    assert _values_over_seeds(sim, g, x, seen) == {(3.0,) * 256}
+
+
+class _RecordingPool:
+    """A runner's own capture pool that notes the blocks given back to it."""
+
+    def __init__(self) -> None:
+        self._memory = torch.empty(1 << 16, dtype=torch.uint8)
+        self._next = 0
+        self.given_back: list[int] = []
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        block = self._memory[self._next : self._next + nbytes]
+        self._next += (nbytes + 511) // 512 * 512
+        return block
+
+    def release(self, block: torch.Tensor) -> None:
+        self.given_back.append(block.data_ptr())
+
+
+@pytest.mark.parametrize("ends", ["ends", "fails"])
+def test_a_block_recorded_on_another_stream_comes_back_when_its_capture_ends(sim, ends):
+    x = torch.ones(256, device=sim.device)
+    pool = _RecordingPool()
+    g = sim.Graph()
+    failure = pytest.raises(ValueError) if ends == "fails" else contextlib.nullcontext()
+    with failure, sim.graph(g, pool=pool):
+        origin, side = sim.current_stream(), sim.Stream()
+        kept, dropped = x * 2, x * 3
+        kept_at, dropped_at = kept.data_ptr(), dropped.data_ptr()
+        side.wait_stream(origin)
+        with sim.stream(side):
+            read = kept + 1
+        kept.record_stream(side)
+        dropped.record_stream(origin)  # its own stream: no reason to keep it
+        del kept, dropped
+        assert pool.given_back == [dropped_at]
+        origin.wait_stream(side)
+        if ends == "fails":
+            raise ValueError("the runner's own error inside the capture")
+    assert pool.given_back == [dropped_at, kept_at]
+    assert read.data_ptr() not in pool.given_back  # alive: its block stays out
 
 
 class _StackPool:

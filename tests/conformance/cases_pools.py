@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from pytest_graphmode.runtime import backends
-from tests.conformance.case import another_stream, case, value
+from tests.conformance.case import another_stream, busy, case, racy, value
 
 
 @case("overwritten")
@@ -92,6 +92,59 @@ def a_block_a_graph_branch_freed_is_not_handed_to_the_origin(be: Any) -> str:
         second = x * 3
         origin.wait_stream(side)
     return "same address" if second.data_ptr() == address else "new address"
+
+
+_NEW_OWNERS = "read the new owner's"
+
+
+def _freed_while_a_branch_reads_it(be: Any, kept_by: str) -> str:
+    """The origin frees a block the side branch reads, then allocates a block of its size: where
+    that block lands, and what the branch reads at replay. `kept_by`: what keeps the block for
+    the branch ("nothing", "record_stream", or the origin's "join" with the branch before the
+    free). On cuda the branch starts late (`busy`); on sim a replay's seed picks the order."""
+    x = torch.ones(64, device=be.device)
+    g = be.Graph()
+    with be.graph(g):
+        origin, side = be.current_stream(), another_stream(be)
+        first = x * 2
+        address = first.data_ptr()
+        side.wait_stream(origin)
+        with be.stream(side):
+            busy(be)
+            seen = first + 1
+        if kept_by == "record_stream":
+            first.record_stream(side)
+        elif kept_by == "join":
+            origin.wait_stream(side)
+        del first
+        second = x * 50
+        origin.wait_stream(side)
+    where = "same address" if second.data_ptr() == address else "new address"
+
+    def trial() -> str:
+        x.fill_(1.0)
+        g.replay()
+        be.synchronize()
+        if bool((seen == 51.0).all()):
+            return _NEW_OWNERS
+        return "read its own" if bool((seen == 3.0).all()) else "read something else"
+
+    return f"{where}, {racy(be, trial, shows=_NEW_OWNERS)}"
+
+
+@case("same address, read the new owner's")
+def a_block_freed_under_a_graph_branch_goes_to_the_next_allocation(be: Any) -> str:
+    return _freed_while_a_branch_reads_it(be, "nothing")
+
+
+@case("new address, read its own")
+def record_stream_keeps_a_block_for_a_graph_branch_until_capture_end(be: Any) -> str:
+    return _freed_while_a_branch_reads_it(be, "record_stream")
+
+
+@case("same address, read its own")
+def a_block_freed_after_joining_its_reader_branch_is_reused_safely(be: Any) -> str:
+    return _freed_while_a_branch_reads_it(be, "join")
 
 
 @case("new address")

@@ -237,6 +237,10 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # a side stream read it; the two streams meet only inside the captured graphs, whose branches
     # the sim judges at capture (found when the twins are made)
     "dual_stream_capture_only": "no_stream_races",
+    # the routed experts' input clone, read on a side stream, freed on the current one without
+    # record_stream before the join: inside the capture the shared expert's next allocation takes
+    # its block (found when the twins are made)
+    "routed_clone_not_recorded": "no_stream_races",
     # the guard that keeps long contexts off the graphs reads the batch's longest prefill (0 in a
     # decode batch): a long context is sent to a graph whose block table is too narrow
     "long_context_graph_guard": "replay_matches_eager",
@@ -255,6 +259,7 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
 AT_START_UP = {
     "shared_expert_stream_inplace",
     "dual_stream_capture_only",
+    "routed_clone_not_recorded",
     "side_stream_escapes_capture",
     "generator_not_registered",
     "pad_slot_wraps_to_last",
@@ -351,8 +356,13 @@ NOT_YET_ON_CUDA: set[str] = set()
 # reports the race when the twins are made.
 NOT_SHOWN_ON_CUDA.add("shared_expert_stream_inplace")
 # Races the sim reports when the twins are made, from its race checker; on a GPU only a value
-# can show them, in a step.
-RACES_AT_START_UP = {"shared_expert_stream_inplace", "dual_stream_capture_only"}
+# can show them, in a step (the routed experts reading the shared expert's output through the
+# clone's block: `replay_matches_eager` at step 1 of the first example, seeds 0-2, on the H100).
+RACES_AT_START_UP = {
+    "shared_expert_stream_inplace",
+    "dual_stream_capture_only",
+    "routed_clone_not_recorded",
+}
 # The graph reads the freed input buffer, or a mask past its end: device-side asserts on the H100
 # at the second and third example of seeds 0-2 (2026-12-06, late).
 ON_CUDA["src_addresses_unchecked"] = ("replay_matches_eager", "no_device_fault")

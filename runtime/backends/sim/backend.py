@@ -241,7 +241,11 @@ class SimBackend(Dispatching):
 
     @serialized
     def record_stream(self, t: torch.Tensor, stream: SimStream) -> None:
-        """`t.record_stream(stream)` (frees.py)."""
+        """`t.record_stream(stream)`: on an output of a capture under way, the capture's
+        (`Capture.recorded_on`); on other memory, the free tracker's (frees.py)."""
+        active = self._active
+        if active is not None and active.capture.recorded_on(t, stream):
+            return
         self._frees.record_stream(t, self._races.agent(stream))
 
     @serialized

@@ -22,11 +22,16 @@ from torch.utils._pytree import tree_leaves
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
 from pytest_graphmode.runtime.backends.sim import footprint, ops
 from pytest_graphmode.runtime.backends.sim.capture_order import Branches, CaptureOrder
-from pytest_graphmode.runtime.backends.sim.device import POOLED, VIEW_OF, SimDeviceTensor
+from pytest_graphmode.runtime.backends.sim.device import (
+    POOL_BLOCK,
+    POOLED,
+    VIEW_OF,
+    SimDeviceTensor,
+)
 from pytest_graphmode.runtime.backends.sim.footprint import Footprint
 from pytest_graphmode.runtime.backends.sim.generators import CapturedDraws, philox_state
 from pytest_graphmode.runtime.backends.sim.happens_before import Touch
-from pytest_graphmode.runtime.backends.sim.pool import SimPoolHandle, poison_
+from pytest_graphmode.runtime.backends.sim.pool import BlockReturns, SimPoolHandle, poison_
 
 if TYPE_CHECKING:
     from pytest_graphmode.runtime.backends.sim.memory_ledger import DeviceMemory
@@ -329,7 +334,7 @@ class Capture:
         `memory`: the ledger that counts the pool blocks the capture hands out."""
         self.pool = pool
         self._memory = memory
-        self._release = release
+        self._returns = BlockReturns(pool, release)
         self._keeps_pinned = keeps_pinned
         self._made_pinned: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._kept: dict[int, torch.UntypedStorage] = {}
@@ -341,7 +346,7 @@ class Capture:
         self._ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._touched: dict[tuple[Footprint, bool], weakref.ref[torch.UntypedStorage]] = {}
         self._draws = CapturedDraws()
-        self.order = CaptureOrder()
+        self.order = CaptureOrder(per_stream=isinstance(pool, SimPoolHandle))
         self.invalid: str | None = None
 
     def fail(self, message: str) -> CaptureError:
@@ -366,7 +371,7 @@ class Capture:
         if op.constant:
             return self._constant(args[0])
         if op.empty:
-            return self._allocate(ops.meta_outputs(op, args, kwargs), stream)[0][0]
+            return self._allocate(ops.meta_outputs(op, args, kwargs), stream, op.name)[0][0]
         # Host tensors reach a captured operation only as 0-dim operands, which CUDA passes as
         # kernel arguments (their value now is baked in), and as the pinned side of a
         # non_blocking copy, which the graph reads or writes at every replay.
@@ -384,7 +389,7 @@ class Capture:
             return out
         positions = op.fresh_positions
         metas = ops.checked_layouts(op, args, kwargs)
-        fresh, slots = self._allocate([metas[p] for p in positions], stream)
+        fresh, slots = self._allocate([metas[p] for p in positions], stream, op.name)
         self._instrs.append(
             _Instr(func, targs, tkwargs, None, list(zip(positions, slots, strict=True)))
         )
@@ -431,6 +436,25 @@ class Capture:
     def _refs_once_forked(self, args: list[Any], kwargs: dict[str, Any]) -> list[int]:
         """The slots an instruction reads, which the order needs only once the capture forked."""
         return _refs(args, kwargs) if self.order.forked else []
+
+    def recorded_on(self, t: torch.Tensor, stream: Any) -> bool:
+        """`t.record_stream(stream)` while this capture is under way: whether `t` is (a view of)
+        an output of it. Its block then waits for the capture's end once freed, if `stream` is
+        not the one it was allocated on (BlockReturns)."""
+        base = t
+        while (up := getattr(base, VIEW_OF, None)) is not None:
+            base = up
+        held = getattr(base, POOL_BLOCK, None)
+        if held is None or held[0] is not self._returns:
+            return False
+        _, block, allocated_on = held
+        if stream.stream_id != allocated_on:
+            self._returns.recorded(block)
+        return True
+
+    def ended(self) -> None:
+        """The capture ended, or was aborted: blocks kept for it come back to the pool."""
+        self._returns.end()
 
     def records_external(self, event: Any) -> None:
         """An event made with external=True recorded in the capture: each replay records it."""
@@ -514,10 +538,10 @@ class Capture:
         return t
 
     def _allocate(
-        self, metas: list[ops.Layout], stream: Any
+        self, metas: list[ops.Layout], stream: Any, op: str
     ) -> tuple[list[torch.Tensor], list[int]]:
-        """Pool-backed, poisoned outputs of work on `stream`: one tensor for the program, one
-        handed to the caller."""
+        """Pool-backed, poisoned outputs of `op`, work on `stream`: one tensor for the program,
+        one handed to the caller."""
         fresh, slots = [], []
         pool = self.pool
         own = isinstance(pool, SimPoolHandle)  # a runner's own SimCapturePool takes no stream
@@ -528,13 +552,14 @@ class Capture:
             offset = block.storage_offset() // meta.itemsize
             storage = block.untyped_storage()
             lo = block.storage_offset() * block.element_size()
-            self.order.handed_out(stream, storage.data_ptr(), lo, lo + block.nbytes)
+            self.order.handed_out(stream, storage.data_ptr(), lo, lo + block.nbytes, op)
             owned = torch.empty(0, dtype=meta.dtype).set_(storage, offset, meta.shape, meta.stride)
             poison_(owned)
             handed = torch.empty(0, dtype=meta.dtype).set_(storage, offset, meta.shape, meta.stride)
             # The block returns to the pool when the caller drops its tensor (and every view of it),
             # as a CUDA graph pool block does; the program's own handle does not keep it reserved.
-            weakref.finalize(handed, self._release, self.pool, block)
+            weakref.finalize(handed, self._returns.give_back, block)
+            setattr(handed, POOL_BLOCK, (self._returns, block, stream.stream_id))
             if self._memory is not None and self._memory.counting:
                 self._memory.pooled(storage, handed, meta.nbytes)
             setattr(handed, POOLED, True)  # see keep_bases_of_views

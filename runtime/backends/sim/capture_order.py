@@ -22,13 +22,21 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from pytest_graphmode.runtime.backends.race import Race
+from pytest_graphmode.runtime.backends.race import Race, RaceSide
+from pytest_graphmode.runtime.backends.sim.footprint import format_line, source_line
 from pytest_graphmode.runtime.backends.sim.happens_before import Clock, RaceChecker, Touch
 
 _CAUSE = (
     "both are work of one captured graph: the branches a capture forks onto other streams run "
     "side by side at every replay, and no event wait or wait_stream inside the capture orders "
     "these two"
+)
+_REUSE_CAUSE = (
+    "the program freed a block of the graph's pool while another branch of the capture still "
+    "used it, with neither record_stream on that branch's stream nor an event wait or "
+    "wait_stream ordering the freeing stream after that use: during a capture the caching "
+    "allocator hands a freed block to the next allocation of its stream at once, so at every "
+    "replay the new owner's work runs side by side with that use"
 )
 # Accesses kept per storage: a capture's outputs are blocks of one pool chunk, one storage.
 _PER_STORAGE = 1024
@@ -44,10 +52,14 @@ class CaptureOrder:
     first fork are all on the origin and all come before the fork, so they form a prefix that
     runs first, in recorded order; nothing is kept for them. After it, a compute node follows the
     node before it on its stream, the nodes its stream waited for since, the last users of a pool
-    block it was handed again, and the views whose results it reads. A view node is metadata:
-    it follows only the views it reads, never its stream."""
+    block it was handed again (in a runner's own pool only), and the views whose results it
+    reads. A view node is metadata: it follows only the views it reads, never its stream.
 
-    def __init__(self) -> None:
+    `per_stream`: the capture's pool hands a freed block only to the stream that allocated it,
+    as CUDA's caching allocator does (the sim's own pools); False for a runner's own pool."""
+
+    def __init__(self, *, per_stream: bool) -> None:
+        self._per_stream = per_stream
         self._races = RaceChecker(per_storage=_PER_STORAGE)
         self._count = 0  # nodes so far
         self._forked_at: int | None = None  # the first node after the first fork
@@ -57,7 +69,8 @@ class CaptureOrder:
         self._last: dict[int, int] = {}  # agent -> its last compute node after the fork
         self._waits: dict[int, list[int]] = {}  # agent -> nodes its next compute node follows
         self._view_of: dict[int, int] = {}  # slot -> the view node after the fork computing it
-        # storage -> (first byte, end, node) of the compute nodes that touched its bytes
+        # storage -> (first byte, end, node) of the compute nodes that touched its bytes (kept
+        # for a runner's own pool only: a pool per stream orders no reuse)
         self._users: dict[int, list[tuple[int, int, int]]] = {}
 
     @property
@@ -98,16 +111,30 @@ class CaptureOrder:
             return
         agent = self._agent(stream)
         self._races.access(agent, touched, op)
-        self._used(node, agent, touched)
+        if not self._per_stream:
+            self._used(node, agent, touched)
 
-    def handed_out(self, stream: Any, storage: int, lo: int, hi: int) -> None:
-        """Bytes [lo, hi) of a pool chunk handed to a new tensor of `stream`. The tensors that
-        touched them are gone: their accesses race with nothing from now on. But a replay must
-        still run their last users first: the stream's next compute node follows them, as if
-        the allocator had waited for them. (The sim's own pools hand a block only to the stream
-        that allocated it, as CUDA's do, where its own earlier work is ordered already; a
-        runner's own pool may hand it to another stream.)"""
+    def handed_out(self, stream: Any, storage: int, lo: int, hi: int, op: str) -> None:
+        """Bytes [lo, hi) of a pool chunk handed to a new tensor of `stream` by `op`. The
+        tensors that touched them are gone.
+
+        A pool per stream hands a block back at once to the next allocation of the stream that
+        allocated it, as CUDA's caching allocator does in a capture (a block another stream was
+        `record_stream`ed on waits for the capture's end, `Capture.recorded_on`): that stream's
+        own earlier uses are ordered already, and another branch's use that no wait orders
+        before now races with the new owner at every replay. It is reported, and nothing orders
+        it at replay either. A runner's own pool may hand a block to any stream: the new owner's
+        next compute node follows the block's last users, as if the pool had waited for them."""
         if self._forked_at is None:
+            return
+        if self._per_stream:
+            later = RaceSide(
+                f"{op} (an allocation handed the freed block)",
+                self._races.name(self._agent(stream)),
+                format_line(source_line()),
+                "write",
+            )
+            self._races.handed_again(storage, lo, hi, self._agent(stream), later, _REUSE_CAUSE)
             return
         self._races.forget(storage, lo, hi)
         users = self._users.get(storage)
@@ -158,7 +185,10 @@ class CaptureOrder:
 
     def take_races(self) -> list[Race]:
         """The races found inside the capture so far, each saying why nothing orders it."""
-        return [dataclasses.replace(race, cause=_CAUSE) for race in self._races.take()]
+        return [
+            race if race.cause else dataclasses.replace(race, cause=_CAUSE)
+            for race in self._races.take()
+        ]
 
     def branches(self, kept: Sequence[int]) -> Branches | None:
         """The order of the instructions a finished program keeps (`kept`: their old indices,

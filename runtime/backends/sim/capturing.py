@@ -83,6 +83,8 @@ class Capturing(StreamsAndEvents):
         except BaseException:
             _failed(graph)
             raise
+        finally:
+            active.capture.ended()
 
     def _finish_capture(self, graph: SimGraph, active: ActiveCapture) -> None:
         self._check_seed(active)
@@ -107,10 +109,12 @@ class Capturing(StreamsAndEvents):
     def _abort_capture(self, graph: SimGraph) -> None:
         """End `graph`'s capture, if it is under way, keeping nothing of it. (A graph whose
         capture never began keeps what it holds: capture_begin refused it.)"""
-        if self._active is not None and self._active.graph is graph:
+        active = self._active
+        if active is not None and active.graph is graph:
             self._active = None
             graph._program = None
             _failed(graph)
+            active.capture.ended()
 
     def _require_active(self, graph: SimGraph) -> ActiveCapture:
         if self._active is None or self._active.graph is not graph:

@@ -40,9 +40,10 @@ _UNINITIALIZED: type = torch.nn.parameter.UninitializedTensorMixin  # type: igno
 _DEVICE_CLASS = torch.device
 
 
-POOLED, VIEW_OF = "_sim_pooled", "_sim_view_of"
-"""Attributes the sim sets on a capture's outputs and their views (capture.keep_bases_of_views)."""
-SIM_ATTRIBUTES = (POOLED, VIEW_OF)
+POOLED, VIEW_OF, POOL_BLOCK = "_sim_pooled", "_sim_view_of", "_sim_pool_block"
+"""Attributes the sim sets on a capture's outputs and their views (capture.keep_bases_of_views),
+and on an output alone: its block (pool.BlockReturns)."""
+SIM_ATTRIBUTES = (POOLED, VIEW_OF, POOL_BLOCK)
 
 
 class SimDeviceTensor(torch.Tensor):

@@ -207,6 +207,30 @@ class RaceChecker:
                 old for old in history.accesses if not (old.fp.lo < hi and lo < old.fp.hi)
             ]
 
+    def handed_again(
+        self, storage: int, lo: int, hi: int, agent: int, later: RaceSide, cause: str
+    ) -> None:
+        """Bytes [lo, hi) of the storage at `storage` (a pool block) are handed to `agent`'s next
+        allocation. An access to them by another agent that is not ordered before what `agent`
+        issues now races with the new owner: it is reported, `later` its later side and `cause`
+        why. Then every access to them is dropped, as by `forget`."""
+        self._flush()
+        history = self._history.get(storage)
+        if history is None:
+            return
+        kept = []
+        for old in history.accesses:
+            if not (old.fp.lo < hi and lo < old.fp.hi):
+                kept.append(old)
+            elif old.agent != agent and not self.ordered(old.agent, old.epoch, agent):
+                earlier = self._side(old)
+                if self._first(earlier, later):
+                    span = (max(lo, old.fp.lo), min(hi, old.fp.hi))
+                    self._found.append(
+                        Race(old.fp.describe(), storage, span, earlier, later, cause)
+                    )
+        history.accesses = kept
+
     def access(
         self, agent: int, touched: Sequence[Touch], op: str, *, keep: bool = False
     ) -> list[_Access]:
