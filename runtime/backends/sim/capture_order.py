@@ -22,8 +22,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from pytest_graphmode.runtime.backends.race import Race, RaceSide
-from pytest_graphmode.runtime.backends.sim.footprint import format_line, source_line
+from pytest_graphmode.runtime.backends.race import Race
 from pytest_graphmode.runtime.backends.sim.happens_before import Clock, RaceChecker, Touch
 
 _CAUSE = (
@@ -128,13 +127,9 @@ class CaptureOrder:
         if self._forked_at is None:
             return
         if self._per_stream:
-            later = RaceSide(
-                f"{op} (an allocation handed the freed block)",
-                self._races.name(self._agent(stream)),
-                format_line(source_line()),
-                "write",
-            )
-            self._races.handed_again(storage, lo, hi, self._agent(stream), later, _REUSE_CAUSE)
+            allocation = f"{op} (an allocation handed the freed block)"
+            agent = self._agent(stream)
+            self._races.handed_again(storage, lo, hi, agent, allocation, _REUSE_CAUSE)
             return
         self._races.forget(storage, lo, hi)
         users = self._users.get(storage)

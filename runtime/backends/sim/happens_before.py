@@ -208,21 +208,26 @@ class RaceChecker:
             ]
 
     def handed_again(
-        self, storage: int, lo: int, hi: int, agent: int, later: RaceSide, cause: str
+        self, storage: int, lo: int, hi: int, agent: int, allocation: str, cause: str
     ) -> None:
         """Bytes [lo, hi) of the storage at `storage` (a pool block) are handed to `agent`'s next
-        allocation. An access to them by another agent that is not ordered before what `agent`
-        issues now races with the new owner: it is reported, `later` its later side and `cause`
-        why. Then every access to them is dropped, as by `forget`."""
+        allocation, `allocation` (its operation, as a race names it). An access to them by
+        another agent that is not ordered before what `agent` issues now races with the new
+        owner: it is reported, the allocation its later side and `cause` why. Then every access
+        to them is dropped, as by `forget`."""
         self._flush()
         history = self._history.get(storage)
         if history is None:
             return
-        kept = []
+        kept, later = [], None
         for old in history.accesses:
             if not (old.fp.lo < hi and lo < old.fp.hi):
                 kept.append(old)
             elif old.agent != agent and not self.ordered(old.agent, old.epoch, agent):
+                if later is None:  # the caller's line, looked up only for a race
+                    later = RaceSide(
+                        allocation, self.name(agent), format_line(source_line()), "write"
+                    )
                 earlier = self._side(old)
                 if self._first(earlier, later):
                     span = (max(lo, old.fp.lo), min(hi, old.fp.hi))
