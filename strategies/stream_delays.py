@@ -13,10 +13,15 @@ enqueued
   moment, whichever stream the runner made current (a side stream, a copy stream);
 - ahead of every `torch.cuda.Event.record` (and so every `torch.cuda.Stream.record_event`), on
   the stream the event is recorded on.
+- ahead of the first operation the step queues on a stream it entered (`with
+  torch.cuda.stream(side):`, which the backend facade's `stream()` is), on that stream, each time
+  it enters one that was not current: the kernels the runner queues there run late, so a side
+  stream's read of a tensor that the current stream then overwrites in place, with no join between
+  the two, reads the new values.
 
 So a copy out of a pinned staging buffer reads it only after the host has moved on, a download into
-pinned memory is not there yet when the host reads it without waiting, and an event completes late:
-host-staging races and missing waits show as wrong values. Correct code (an event recorded after
+pinned memory is not there yet when the host reads it without waiting, an event completes late and
+a side stream's work runs late: host-staging races and missing waits show as wrong values. Correct code (an event recorded after
 the copy and waited on before the buffer is written again or the result is read) stays correct,
 only slower.
 
@@ -37,11 +42,13 @@ blocking download) are not delayed, nor are eager kernels on side streams.
 
 Scope: the copies are seen by a `TorchDispatchMode` pushed on entry and popped on exit, so modes
 the runner enters inside the scope see the operations before it, as usual. `torch.cuda.Event.record`
-is replaced on the class for the scope and the exact attribute it had is put back on exit, also
-when the step raises; since it is a class attribute, other threads recording events during the
-scope are delayed too. Not covered: `torch.Event` / `torch.Stream` (the device-generic classes,
-recorded in C++ without a Python hook), device-to-device copies, kernels on side streams not
-followed by a copy or an event record, and copies issued by C++ code that bypasses the dispatcher.
+and `torch.cuda.StreamContext.__enter__` are replaced on their classes for the scope and the exact
+attributes they had are put back on exit, also when the step raises; since they are class
+attributes, other threads recording events or entering streams during the scope are delayed too. Not covered: `torch.Event` / `torch.Stream` (the device-generic classes,
+recorded in C++ without a Python hook), device-to-device copies, kernels on a side stream made
+current by `torch.cuda.set_stream` alone, or launched there without the dispatcher (a Triton or
+C++ extension kernel) before any operation that passes it, and copies issued by C++ code that
+bypasses the dispatcher.
 
 How long: a sleep starts as soon as it is queued, and the host goes on with the step (launching an
 eager forward of a few hundred kernels takes milliseconds); once the sleep ends the device catches
@@ -65,6 +72,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -104,12 +112,17 @@ def crossing_device(one: torch.device, other: torch.device) -> torch.device | No
 def delayed_streams(
     cycles: int, hold_cycles: int = 0, held_stream: int | None = None
 ) -> Iterator[None]:
-    """Delay every asynchronous host copy and event record by a sleep kernel on its own stream
-    while the block runs, `hold_cycles` long where that stream is not already held back, else
-    `cycles` long; with `held_stream`, only on the step's `held_stream`-th stream (module
-    docstring). Torch is as it was after the block, also when it raises."""
+    """Delay every asynchronous host copy and event record, and the work the block queues on a
+    stream it enters (`with torch.cuda.stream(side):`), by a sleep kernel on its own stream while
+    the block runs, `hold_cycles` long where that stream is not already held back, else `cycles`
+    long; with `held_stream`, only on the step's `held_stream`-th stream (module docstring).
+    Torch is as it was after the block, also when it raises."""
     sleeps = _Sleeps("delayed_streams", cycles, hold_cycles, held_stream)
-    with _delayed_event_records(sleeps), _DelayedCopies(sleeps):
+    with (
+        _delayed_event_records(sleeps),
+        _noting_entered_streams(sleeps),
+        _DelayedCopies(sleeps),
+    ):
         yield
 
 
@@ -146,9 +159,33 @@ class _Sleeps:
         self.held_stream = held_stream
         self._order: dict[Any, int] = {}  # stream -> its place among the scope's streams
         self._holding: dict[Any, Any] = {}  # stream -> an event past its last long sleep
+        # Streams the block entered that no operation was queued on since (`entered_stream`).
+        self.entered: set[Any] = set()
+        self._busy = threading.local()  # set while `on` runs: its own stream switches
+
+    def entered_stream(self, stream: Any) -> None:
+        """The block made `stream` current (`with torch.cuda.stream(stream):`): the first
+        operation queued on it sleeps first (`first_on_entered`). Not the scope's own switches."""
+        if not getattr(self._busy, "on", False):
+            self.entered.add(stream)
+
+    def first_on_entered(self) -> None:
+        """An operation is queued on the current stream: a sleep first, if the block entered that
+        stream and queued nothing on it since."""
+        stream = _resolved(None)
+        if stream in self.entered:
+            self.entered.discard(stream)
+            self.on(stream)
 
     def on(self, stream: Any) -> None:
         """A sleep on `stream` (None: the current stream), if the scope holds that stream back."""
+        self._busy.on = True
+        try:
+            self._sleep(stream)
+        finally:
+            self._busy.on = False
+
+    def _sleep(self, stream: Any) -> None:
         if _capturing(stream):
             # A sleep there would be recorded into the graph and replayed every time, and asking
             # whether an event has completed there would end the capture with an error.
@@ -163,6 +200,30 @@ class _Sleeps:
             return
         _sleep_on(stream, self.hold)
         self._holding[resolved] = _passed(resolved)
+
+
+@contextmanager
+def _noting_entered_streams(sleeps: _Sleeps) -> Iterator[None]:
+    """`torch.cuda.StreamContext.__enter__` replaced for the block by one that tells `sleeps`
+    which stream it enters (unless None or current already); on exit, also when the block raises,
+    the exact attribute is put back. The sleep waits for the first operation queued there: a
+    stream entered to capture a graph (`torch.cuda.graph` enters its capture stream before the
+    capture begins) then queues nothing outside the capture."""
+    owner = torch.cuda.StreamContext
+    before = vars(owner)["__enter__"]
+    original = owner.__enter__
+
+    def enter(context: Any) -> Any:
+        stream = context.stream
+        if stream is not None and stream != _resolved(None):
+            sleeps.entered_stream(stream)
+        return original(context)
+
+    owner.__enter__ = enter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        owner.__enter__ = before  # type: ignore[method-assign]
 
 
 def _resolved(stream: Any) -> Any:
@@ -225,6 +286,8 @@ class _DelayedCopies(TorchDispatchMode):
         return self.delay_then_run(func, args, kwargs or {})
 
     def delay_then_run(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        if self.sleeps.entered:
+            self.sleeps.first_on_entered()
         device = async_copy_device(func, args, kwargs)
         if device is not None:
             self.sleeps.on(_current_stream(device))

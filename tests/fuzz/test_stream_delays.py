@@ -115,20 +115,54 @@ def test_an_event_record_sleeps_on_the_recording_stream_then_records(sleeps, mon
     assert calls == [("record", "event", "copy stream"), ("record", "event", None)]
 
 
+def test_the_first_operation_on_a_stream_the_step_entered_sleeps_there_first(sleeps, monkeypatch):
+    entered: list[Any] = []
+    monkeypatch.setattr(torch.cuda.StreamContext, "__enter__", lambda c: entered.append(c.stream))
+    current = ["current stream"]
+    monkeypatch.setattr(stream_delays, "_resolved", lambda stream: stream or current[0])
+    enter = vars(torch.cuda.StreamContext)["__enter__"]
+
+    def into(stream: Any) -> None:
+        torch.cuda.StreamContext.__enter__(SimpleNamespace(stream=stream))
+        current[0] = stream or current[0]
+
+    with delayed_streams(5):
+        into("side")
+        assert sleeps == []  # not yet: a capture stream is entered before its capture begins
+        torch.ones(2).add_(1)
+        torch.ones(2).add_(1)
+        current[0] = "current stream"  # the context's exit: back to the step's own stream
+        torch.ones(2).add_(1)
+        into(None)  # torch's no-op
+        into("side")
+        into("side")  # current already
+        torch.ones(2).add_(1)
+    # once per entry, before its first operation; a second entry sleeps again: the work queued
+    # there since the first may have run already
+    assert sleeps == [("side", 5), ("side", 5)]
+    assert entered == ["side", None, "side", "side"]
+    assert vars(torch.cuda.StreamContext)["__enter__"] is enter
+
+
 def test_the_scope_restores_torch_exactly():
     record, depth = vars(torch.cuda.Event)["record"], len(_get_current_dispatch_mode_stack())
+    enter = vars(torch.cuda.StreamContext)["__enter__"]
     with delayed_streams(1):
         assert torch.cuda.Event.record is not record
+        assert torch.cuda.StreamContext.__enter__ is not enter
         assert len(_get_current_dispatch_mode_stack()) == depth + 1
     assert vars(torch.cuda.Event)["record"] is record
+    assert vars(torch.cuda.StreamContext)["__enter__"] is enter
     assert len(_get_current_dispatch_mode_stack()) == depth
 
 
 def test_the_scope_restores_torch_exactly_when_the_step_raises():
     record, depth = vars(torch.cuda.Event)["record"], len(_get_current_dispatch_mode_stack())
+    enter = vars(torch.cuda.StreamContext)["__enter__"]
     with pytest.raises(KeyError), delayed_streams(1):
         raise KeyError("the runner failed")
     assert vars(torch.cuda.Event)["record"] is record
+    assert vars(torch.cuda.StreamContext)["__enter__"] is enter
     assert len(_get_current_dispatch_mode_stack()) == depth
 
 

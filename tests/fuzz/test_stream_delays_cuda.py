@@ -104,16 +104,25 @@ def test_an_event_recorded_on_an_idle_side_stream_completes_late(be):
 
 
 def test_nothing_sleeps_inside_a_capture(be, monkeypatch):
-    sleeps: list[int] = []
+    # (cycles, whether the stream it sleeps on captures): torch's capture_begin queues an operation
+    # on the capture stream before the capture begins, and a stream entered sleeps before its
+    # first operation; that sleep is no part of the graph.
+    sleeps: list[tuple[int, bool]] = []
     sleep = torch.cuda._sleep
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: (sleeps.append(cycles), sleep(cycles)))
+
+    def noted(cycles: int) -> None:
+        sleeps.append((cycles, torch.cuda.is_current_stream_capturing()))
+        sleep(cycles)
+
+    monkeypatch.setattr(torch.cuda, "_sleep", noted)
     staging = be.empty_pinned(WORDS)
     device = torch.zeros(WORDS, device=be.device)
     graph = be.Graph()
     with delayed_streams(CYCLES), be.graph(graph):
         device.copy_(staging, non_blocking=True)
         doubled = device * 2
-    assert sleeps == []  # a sleep there would be replayed with the graph, every time
+    # a sleep in the capture would be replayed with the graph, every time
+    assert [captured for _, captured in sleeps if captured] == []
     staging.fill_(4.0)
     graph.replay()
     assert doubled.unique().tolist() == [8.0]
@@ -147,6 +156,25 @@ def test_an_upload_not_waiting_for_the_work_before_it_overwrites_that_works_inpu
             static.copy_(staging, non_blocking=True)  # the next step's upload
     be.synchronize()
     assert out.unique().tolist() == ([0.0] if waits else [6.0])
+
+
+@pytest.mark.parametrize("joined", [False, True], ids=["the-bug", "joined"])
+def test_a_side_stream_read_not_joined_before_an_in_place_write_sees_the_write(be, joined):
+    # Without a sleep on the side stream both become ready when the fork's event record, delayed
+    # on the current stream, is passed, and the read, queued first, usually wins.
+    side = be.Stream()
+    x = torch.ones(WORDS, device=be.device)
+    be.synchronize()
+    with delayed_streams(CYCLES):
+        current = be.current_stream()
+        side.wait_stream(current)
+        with be.stream(side):
+            seen = x * 2
+        if joined:
+            current.wait_stream(side)
+        x.fill_(5.0)  # the bug: in place on the current stream, the side stream's read pending
+        current.wait_stream(side)
+    assert seen.unique().tolist() == ([2.0] if joined else [10.0])
 
 
 def test_the_sleep_clock_is_timed_at_a_plausible_rate(be):

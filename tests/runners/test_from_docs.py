@@ -351,10 +351,10 @@ ON_CUDA["layerwise_reload_moe"] = ("replay_matches_eager", "no_device_fault")
 NOT_SHOWN_ON_CUDA.add("placeholder_substitution")
 # Not yet run on a GPU. Their correct runners run there.
 NOT_YET_ON_CUDA: set[str] = set()
-# The shared expert's read and the routed experts' in-place write raced on the H100 in no order
-# that changed a value (seeds 0-2, 20 examples each, 2026-12-06, late); the sim's race checker
-# reports the race when the twins are made.
-NOT_SHOWN_ON_CUDA.add("shared_expert_stream_inplace")
+# The shared expert's read on its side stream and the routed experts' in-place write raced on the
+# H100 in no order that changed a value (seeds 0-2, 20 examples each, 2026-12-06, late), until
+# the cuda delays held back the work queued on a stream the step enters: caught there at step 0
+# of the first example on seeds 0-2 (2026-12-06, later).
 # Races the sim reports when the twins are made, from its race checker; on a GPU only a value
 # can show them, in a step (the routed experts reading the shared expert's output through the
 # clone's block: `replay_matches_eager` at step 1 of the first example, seeds 0-2, on the H100).
