@@ -210,8 +210,9 @@ def _noting_entered_streams(sleeps: _Sleeps) -> Iterator[None]:
     stream entered to capture a graph (`torch.cuda.graph` enters its capture stream before the
     capture begins) then queues nothing outside the capture."""
     owner = torch.cuda.StreamContext
-    before = vars(owner)["__enter__"]
-    original = owner.__enter__
+    owned = "__enter__" in vars(owner)
+    before = vars(owner).get("__enter__")
+    original = owner.__enter__  # what an instance resolves today, inherited or not
 
     def enter(context: Any) -> Any:
         stream = context.stream
@@ -223,7 +224,10 @@ def _noting_entered_streams(sleeps: _Sleeps) -> Iterator[None]:
     try:
         yield
     finally:
-        owner.__enter__ = before  # type: ignore[method-assign]
+        if owned:
+            owner.__enter__ = before  # type: ignore[method-assign,assignment]
+        else:
+            del owner.__enter__
 
 
 def _resolved(stream: Any) -> Any:
