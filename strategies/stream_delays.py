@@ -21,9 +21,9 @@ enqueued
 
 So a copy out of a pinned staging buffer reads it only after the host has moved on, a download into
 pinned memory is not there yet when the host reads it without waiting, an event completes late and
-a side stream's work runs late: host-staging races and missing waits show as wrong values. Correct code (an event recorded after
-the copy and waited on before the buffer is written again or the result is read) stays correct,
-only slower.
+a side stream's work runs late: host-staging races and missing waits show as wrong values. Correct
+code (an event recorded after the copy and waited on before the buffer is written again or the
+result is read) stays correct, only slower.
 
 Nothing is delayed inside a CUDA graph capture: a sleep issued on a capturing stream would be
 recorded into the graph and replayed on every later replay, long after the stressed step. Captured
@@ -38,17 +38,19 @@ begins, so the eager kernels the step queues there run late, and again ahead of 
 host has waited for that stream or on a stream of its own; copies and event records are left
 undelayed. The replay's class attribute is replaced and put back as `Event.record` is. Eager
 kernels queued after the host waited for the current stream inside the step (an `.item()`, a
-blocking download) are not delayed, nor are eager kernels on side streams.
+blocking download) are not delayed, nor are eager kernels on side streams (`delayed_streams`
+delays those).
 
 Scope: the copies are seen by a `TorchDispatchMode` pushed on entry and popped on exit, so modes
 the runner enters inside the scope see the operations before it, as usual. `torch.cuda.Event.record`
 and `torch.cuda.StreamContext.__enter__` are replaced on their classes for the scope and the exact
 attributes they had are put back on exit, also when the step raises; since they are class
-attributes, other threads recording events or entering streams during the scope are delayed too. Not covered: `torch.Event` / `torch.Stream` (the device-generic classes,
-recorded in C++ without a Python hook), device-to-device copies, kernels on a side stream made
-current by `torch.cuda.set_stream` alone, or launched there without the dispatcher (a Triton or
-C++ extension kernel) before any operation that passes it, and copies issued by C++ code that
-bypasses the dispatcher.
+attributes, other threads recording events or entering streams during the scope are delayed too.
+Not covered: `torch.Event` / `torch.Stream` (the device-generic classes, recorded in C++ without a
+Python hook), device-to-device copies, kernels on a side stream made current by
+`torch.cuda.set_stream` alone, or launched there without the dispatcher (a Triton or C++ extension
+kernel) before any operation that passes it, and copies issued by C++ code that bypasses the
+dispatcher.
 
 How long: a sleep starts as soon as it is queued, and the host goes on with the step (launching an
 eager forward of a few hundred kernels takes milliseconds); once the sleep ends the device catches
@@ -202,32 +204,18 @@ class _Sleeps:
         self._holding[resolved] = _passed(resolved)
 
 
-@contextmanager
-def _noting_entered_streams(sleeps: _Sleeps) -> Iterator[None]:
-    """`torch.cuda.StreamContext.__enter__` replaced for the block by one that tells `sleeps`
-    which stream it enters (unless None or current already); on exit, also when the block raises,
-    the exact attribute is put back. The sleep waits for the first operation queued there: a
-    stream entered to capture a graph (`torch.cuda.graph` enters its capture stream before the
-    capture begins) then queues nothing outside the capture."""
-    owner = torch.cuda.StreamContext
-    owned = "__enter__" in vars(owner)
-    before = vars(owner).get("__enter__")
-    original = owner.__enter__  # what an instance resolves today, inherited or not
+def _noting_entered_streams(sleeps: _Sleeps) -> AbstractContextManager[None]:
+    """`torch.cuda.StreamContext.__enter__` replaced for the block by one that first tells
+    `sleeps` which stream it enters (unless None or current already). The sleep waits for the
+    first operation queued there: a stream entered to capture a graph (`torch.cuda.graph` enters
+    its capture stream before the capture begins) then queues nothing outside the capture."""
 
-    def enter(context: Any) -> Any:
+    def note(context: Any) -> None:
         stream = context.stream
         if stream is not None and stream != _resolved(None):
             sleeps.entered_stream(stream)
-        return original(context)
 
-    owner.__enter__ = enter  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if owned:
-            owner.__enter__ = before  # type: ignore[method-assign,assignment]
-        else:
-            del owner.__enter__
+    return _run_first(torch.cuda.StreamContext, "__enter__", note)
 
 
 def _resolved(stream: Any) -> Any:
@@ -310,22 +298,28 @@ def _delayed_event_records(sleeps: _Sleeps) -> AbstractContextManager[None]:
     return _sleeping_before(torch.cuda.Event, "record", sleeps, stream)
 
 
-@contextmanager
 def _sleeping_before(
     owner: type, name: str, sleeps: _Sleeps, stream: Callable[..., Any]
-) -> Iterator[None]:
+) -> AbstractContextManager[None]:
     """`owner.name` replaced for the block by a call that first sleeps on `stream(*arguments)`
-    (None: the current stream); on exit, also when the block raises, the
-    exact attribute `owner` had is put back (or removed, where it inherited it)."""
+    (None: the current stream) (`_run_first`)."""
+    return _run_first(owner, name, lambda *args, **kwargs: sleeps.on(stream(*args, **kwargs)))
+
+
+@contextmanager
+def _run_first(owner: type, name: str, first: Callable[..., object]) -> Iterator[None]:
+    """`owner.name` replaced for the block by a call that first calls `first` with the same
+    arguments; on exit, also when the block raises, the exact attribute `owner` had is put back
+    (or removed, where it inherited it)."""
     owned = name in vars(owner)
     before = vars(owner).get(name)
     original = getattr(owner, name)  # what an instance resolves today, inherited or not
 
-    def delayed(*args: Any, **kwargs: Any) -> Any:
-        sleeps.on(stream(*args, **kwargs))
+    def replaced(*args: Any, **kwargs: Any) -> Any:
+        first(*args, **kwargs)
         return original(*args, **kwargs)
 
-    setattr(owner, name, delayed)
+    setattr(owner, name, replaced)
     try:
         yield
     finally:

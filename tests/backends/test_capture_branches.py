@@ -115,12 +115,12 @@ def test_a_block_a_branch_freed_serves_that_branch_only(sim):
     assert _values_over_seeds(sim, g, x, w) == {(8.0,) * 256}
 
 
-def _free_under_a_branch(sim, x: torch.Tensor, *, kept_by: str, pool=None):
+def _free_under_a_branch(sim, x: torch.Tensor, *, kept_by: str):
     """The origin frees a block the side branch reads, then allocates one of its size. `kept_by`:
     what keeps the block for the branch ("nothing", "record_stream", or an "event" the origin
     waits on after the branch's read)."""
     g = sim.Graph()
-    with sim.graph(g, pool=pool):
+    with sim.graph(g):
         origin, side = sim.current_stream(), sim.Stream()
         first = x * 2
         block = first.data_ptr()

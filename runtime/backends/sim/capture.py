@@ -324,7 +324,6 @@ class Capture:
     def __init__(
         self,
         pool: Any,
-        release: Callable[[Any, torch.Tensor], None],
         *,
         keeps_pinned: bool = False,
         memory: DeviceMemory | None = None,
@@ -334,7 +333,9 @@ class Capture:
         `memory`: the ledger that counts the pool blocks the capture hands out."""
         self.pool = pool
         self._memory = memory
-        self._returns = BlockReturns(pool, release)
+        self._returns = BlockReturns(pool)
+        # The sim's own pools serve one stream per chunk; a runner's SimCapturePool takes none.
+        self._per_stream = isinstance(pool, SimPoolHandle)
         self._keeps_pinned = keeps_pinned
         self._made_pinned: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._kept: dict[int, torch.UntypedStorage] = {}
@@ -346,7 +347,7 @@ class Capture:
         self._ids: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._touched: dict[tuple[Footprint, bool], weakref.ref[torch.UntypedStorage]] = {}
         self._draws = CapturedDraws()
-        self.order = CaptureOrder(per_stream=isinstance(pool, SimPoolHandle))
+        self.order = CaptureOrder(per_stream=self._per_stream)
         self.invalid: str | None = None
 
     def fail(self, message: str) -> CaptureError:
@@ -544,10 +545,11 @@ class Capture:
         one handed to the caller."""
         fresh, slots = [], []
         pool = self.pool
-        own = isinstance(pool, SimPoolHandle)  # a runner's own SimCapturePool takes no stream
         for meta in metas:
             block = (
-                pool.allocate(meta.nbytes, stream.stream_id) if own else pool.allocate(meta.nbytes)
+                pool.allocate(meta.nbytes, stream.stream_id)
+                if self._per_stream
+                else pool.allocate(meta.nbytes)
             )
             offset = block.storage_offset() // meta.itemsize
             storage = block.untyped_storage()

@@ -58,9 +58,7 @@ class Capturing(StreamsAndEvents):
                 raise RuntimeError(_released_pool(handle))
             handle.held_by(graph)
         self.scheduler.drain(origin)
-        capture = Capture(
-            handle, _release_block, keeps_pinned=KEEPS_CAPTURED_PINNED_BLOCKS, memory=self.memory
-        )
+        capture = Capture(handle, keeps_pinned=KEEPS_CAPTURED_PINNED_BLOCKS, memory=self.memory)
         self._active = ActiveCapture(
             graph,
             capture,
@@ -179,10 +177,6 @@ class Capturing(StreamsAndEvents):
         program.last_launch = launched
         for event in program.external_events:  # where the graph records them: once it has run
             self.event_record(event, self._current)
-
-
-def _release_block(pool: Any, block: torch.Tensor) -> None:
-    pool.release(block)
 
 
 def _failed(graph: SimGraph) -> None:

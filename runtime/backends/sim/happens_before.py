@@ -196,45 +196,38 @@ class RaceChecker:
 
     # -- accesses ---------------------------------------------------------------------------------
 
-    def forget(self, storage: int, lo: int, hi: int) -> None:
+    def forget(self, storage: int, lo: int, hi: int) -> list[_Access]:
         """Bytes [lo, hi) of the storage at `storage` are handed out again (a pool block): every
         tensor that touched them is gone (a block is handed out only once free), so their
-        accesses are dropped."""
+        accesses are dropped; returns them."""
         self._flush()
         history = self._history.get(storage)
-        if history is not None:
-            history.accesses = [
-                old for old in history.accesses if not (old.fp.lo < hi and lo < old.fp.hi)
-            ]
+        if history is None:
+            return []
+        kept: list[_Access] = []
+        dropped: list[_Access] = []
+        for old in history.accesses:
+            (dropped if old.fp.lo < hi and lo < old.fp.hi else kept).append(old)
+        history.accesses = kept
+        return dropped
 
     def handed_again(
         self, storage: int, lo: int, hi: int, agent: int, allocation: str, cause: str
     ) -> None:
         """Bytes [lo, hi) of the storage at `storage` (a pool block) are handed to `agent`'s next
-        allocation, `allocation` (its operation, as a race names it). An access to them by
-        another agent that is not ordered before what `agent` issues now races with the new
-        owner: it is reported, the allocation its later side and `cause` why. Then every access
-        to them is dropped, as by `forget`."""
-        self._flush()
-        history = self._history.get(storage)
-        if history is None:
-            return
-        kept, later = [], None
-        for old in history.accesses:
-            if not (old.fp.lo < hi and lo < old.fp.hi):
-                kept.append(old)
-            elif old.agent != agent and not self.ordered(old.agent, old.epoch, agent):
-                if later is None:  # the caller's line, looked up only for a race
-                    later = RaceSide(
-                        allocation, self.name(agent), format_line(source_line()), "write"
-                    )
-                earlier = self._side(old)
-                if self._first(earlier, later):
-                    span = (max(lo, old.fp.lo), min(hi, old.fp.hi))
-                    self._found.append(
-                        Race(old.fp.describe(), storage, span, earlier, later, cause)
-                    )
-        history.accesses = kept
+        allocation, `allocation` (its operation, as a race names it): `forget`, and an access
+        to them by another agent that is not ordered before what `agent` issues now races with
+        the new owner: it is reported, the allocation its later side and `cause` why."""
+        later = None
+        for old in self.forget(storage, lo, hi):
+            if old.agent == agent or self.ordered(old.agent, old.epoch, agent):
+                continue
+            if later is None:  # the caller's line, looked up only for a race
+                later = RaceSide(allocation, self.name(agent), format_line(source_line()), "write")
+            earlier = self._side(old)
+            if self._first(earlier, later):
+                span = (max(lo, old.fp.lo), min(hi, old.fp.hi))
+                self._found.append(Race(old.fp.describe(), storage, span, earlier, later, cause))
 
     def access(
         self, agent: int, touched: Sequence[Touch], op: str, *, keep: bool = False

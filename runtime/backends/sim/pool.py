@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -139,34 +138,30 @@ class BlockReturns:
     recorded in a capture, so it defers freeing such a block until no capture is under way, and
     no later allocation of the capture is handed it."""
 
-    def __init__(self, pool: Any, release: Callable[[Any, torch.Tensor], None]) -> None:
+    def __init__(self, pool: Any) -> None:
         self._pool = pool
-        self._release = release
-        self._ended = False
         self._recorded: set[int] = set()  # ids of live blocks recorded on another stream
         self._deferred: list[torch.Tensor] = []
 
     def recorded(self, block: torch.Tensor) -> None:
-        """Work of a stream other than the block's own was recorded on `block`."""
-        if not self._ended:
-            self._recorded.add(id(block))
+        """Work of a stream other than the block's own was recorded on `block` (the capture is
+        under way)."""
+        self._recorded.add(id(block))
 
     def give_back(self, block: torch.Tensor) -> None:
         """The last tensor over `block` died."""
-        if id(block) in self._recorded:
+        if id(block) in self._recorded:  # only before the end: `end` empties it
             self._recorded.discard(id(block))
-            if not self._ended:
-                self._deferred.append(block)
-                return
-        self._release(self._pool, block)
+            self._deferred.append(block)
+        else:
+            self._pool.release(block)
 
     def end(self) -> None:
         """The capture ended (or was aborted): the deferred blocks come back now."""
-        self._ended = True
         self._recorded.clear()
         deferred, self._deferred = self._deferred, []
         for block in deferred:
-            self._release(self._pool, block)
+            self._pool.release(block)
 
 
 _INT_POISON = {

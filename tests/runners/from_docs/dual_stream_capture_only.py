@@ -29,12 +29,8 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
-from tests.runners.from_docs.shared_expert_stream_inplace import (
-    TOP_K,
-    SharedExpertMoERunner,
-)
+from tests.runners.from_docs.shared_expert_stream_inplace import SharedExpertMoERunner
 
 
 class DualStreamMoERunner(SharedExpertMoERunner):
@@ -54,19 +50,10 @@ class DualStreamMoERunner(SharedExpertMoERunner):
         return routed + shared
 
     def _shared(self, h: torch.Tensor) -> torch.Tensor:
-        out = F.silu(h @ self.w["s1"]) @ self.w["s2"]
+        out = self._shared_expert(h)
         if self.shared_in_place:
             return h.copy_(out)  # the input's memory reused for the output
         return out
-
-    def _routed(self, h: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(h.float() @ self.w["router"], dim=-1)
-        top_w, top_i = probs.topk(TOP_K, dim=-1)
-        top_w = top_w / top_w.sum(-1, keepdim=True)
-        gates = torch.zeros_like(probs).scatter_(1, top_i, top_w)
-        inner = F.silu(torch.einsum("td,edf->tef", h, self.w["w1"]))
-        expert_out = torch.einsum("tef,efd->ted", inner, self.w["w2"])
-        return (gates.unsqueeze(-1) * expert_out).sum(1)
 
 
 def make_target(mode: Literal["graph", "eager"], *, seed: int, backend: str) -> DualStreamMoERunner:

@@ -98,21 +98,28 @@ class SharedExpertMoERunner:
         shared_in = h.clone() if self.clone_input else h
         self.aux.wait_stream(cur)
         with self.be.stream(self.aux):
-            shared_out = F.silu(shared_in @ self.w["s1"]) @ self.w["s2"]
+            shared_out = self._shared_expert(shared_in)
         if self.clone_input and not self.be.is_current_stream_capturing():
             shared_in.record_stream(self.aux)
         # routed experts, fused_experts(..., inplace=True): the result lands in h itself
+        h.copy_(self._routed(h))
+        cur.wait_stream(self.aux)
+        if not self.be.is_current_stream_capturing():
+            shared_out.record_stream(cur)
+        return h + shared_out
+
+    def _shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(x @ self.w["s1"]) @ self.w["s2"]
+
+    def _routed(self, h: torch.Tensor) -> torch.Tensor:
+        """The routed experts' combined output for `h`: top-2 of a float32 router."""
         probs = torch.softmax(h.float() @ self.w["router"], dim=-1)
         top_w, top_i = probs.topk(TOP_K, dim=-1)
         top_w = top_w / top_w.sum(-1, keepdim=True)
         gates = torch.zeros_like(probs).scatter_(1, top_i, top_w)
         inner = F.silu(torch.einsum("td,edf->tef", h, self.w["w1"]))
         expert_out = torch.einsum("tef,efd->ted", inner, self.w["w2"])
-        h.copy_((gates.unsqueeze(-1) * expert_out).sum(1))
-        cur.wait_stream(self.aux)
-        if not self.be.is_current_stream_capturing():
-            shared_out.record_stream(cur)
-        return h + shared_out
+        return (gates.unsqueeze(-1) * expert_out).sum(1)
 
     def _forward(
         self,
