@@ -758,6 +758,78 @@ def first_stream_sweep(spec: TargetSpec) -> list[StepPlan]:
     return plans
 
 
+def first_graph_stream_sweep(spec: TargetSpec) -> list[StepPlan]:
+    """The simplest schedule in which each of a step's first streams runs late alone in decode
+    steps on a graph: a request back from sitting out a step, then more requests than the largest
+    graph. A campaign runs it as its tenth example, after `first_capture_on_long_contexts`, on the
+    same twins.
+
+    `first_stream_sweep` holds streams back in mixed steps, which most graph runners run eagerly
+    or piecewise; a runner's decode replays have streams of their own around them. Two requests,
+    A (sampled where the spec samples) and B, are admitted; then, three times, one of them decodes
+    alone while the other sits the step out, and the two decode together on a graph, delayed on
+    cuda with the step's stream 0, 1 and 2 held back alone in turn. The request back from sitting
+    out is where a runner that reloads or restores what a request holds between its steps (KV
+    blocks swapped out to host memory, a recurrent state, per-request buffers) does that work: a
+    reload on a copy stream that the replay does not wait for lands late and overwrites what the
+    replay wrote. Its contexts then (2, 3 and 5 positions with a two-token prompt) are not a
+    multiple of 4, so its last block is partial and the step's token lands in a reloaded block.
+    Then requests join until there is one more than the largest graph holds, and all of them
+    decode three times, holding back stream 0, 1 and 2 in turn: a runner that replays one graph
+    more than once per step (micro-batches) overlaps one replay's download or upload with the
+    next replay there. A random schedule holds one given stream back alone in a step in about one
+    step in sixteen, in the half of its examples whose swarm leaves delays on, and seldom holds a
+    return step or a step past the largest graph so. The second half is left out where a step or
+    the cache cannot hold that many requests; the whole is empty where a step cannot hold two
+    requests or the cache their six positions each."""
+    held = [k for k in HELD_STREAMS if k is not None]
+    prompt = 2 if "prefill" in spec.features else 1
+    returns_fit = (
+        min(spec.max_num_reqs, spec.max_num_tokens) >= 2
+        and spec.max_num_tokens >= 1 + prompt
+        and 2 * len(held) <= _capacity(spec)
+        and 2 * _blocks(spec, 2 * len(held)) <= spec.num_blocks - 1
+    )
+    if not returns_fit:
+        return []
+    seed = 10 if "sampling" in spec.features else None
+    plans = [StepPlan(kind="prefill", rows=2, arrivals=(Arrival(1, seed=seed), Arrival(prompt)))]
+    for turn, stream in enumerate(held):
+        # rotated by the turn, A and B take turns sitting out; the one who sat out comes back
+        alone = StepPlan(kind="decode", rows=1, rotate=turn % 2)
+        together = StepPlan(kind="decode", rows=2, stress=_held_alone(stream))
+        plans += [alone, together]
+    return plans + _past_the_largest_graph_held(spec, held, live_positions=2 * len(held))
+
+
+def _held_alone(stream: int) -> Stress:
+    """A step delayed on cuda with only its `stream`-th stream held back."""
+    return Stress(delay_cycles=DELAY_CYCLES, held_stream=stream)
+
+
+def _past_the_largest_graph_held(
+    spec: TargetSpec, held: list[int], live_positions: int
+) -> list[StepPlan]:
+    """Two live requests of up to `live_positions` positions are joined by one-token prompts
+    until there is one more than the largest captured size, and all decode once for each stream
+    in `held`, holding it back alone; empty where a step, a request or the cache cannot hold
+    them."""
+    past = max(spec.capture_sizes, default=0) + 1
+    longest = live_positions + len(held)
+    joining = past - 2
+    fits = (
+        spec.capture_sizes
+        and 2 < past <= min(spec.max_num_reqs, spec.max_num_tokens)
+        and longest <= _capacity(spec)
+        and 2 * _blocks(spec, longest) + joining * _blocks(spec, 1 + len(held))
+        <= spec.num_blocks - 1
+    )
+    if not fits:
+        return []
+    join = StepPlan(kind="prefill", rows=joining, arrivals=(Arrival(prompt_len=1),) * joining)
+    return [join, *(StepPlan(kind="decode", rows=past, stress=_held_alone(k)) for k in held)]
+
+
 def first_tokens_past_the_largest_graph(spec: TargetSpec) -> list[StepPlan]:
     """The simplest schedule whose speculative step has the request count of a captured graph
     and more tokens than the largest one. A campaign runs it as its eighth example, after
@@ -846,7 +918,7 @@ def first_capture_on_long_contexts(spec: TargetSpec) -> list[StepPlan]:
 
 def first_return_after_preemption(spec: TargetSpec) -> list[StepPlan]:
     """The simplest schedule in which a preempted request comes back and decodes on a graph. A
-    campaign runs it as its tenth example, after `first_capture_on_long_contexts`, on the same
+    campaign runs it as its eleventh example, after `first_graph_stream_sweep`, on the same
     twins.
 
     Two requests with one-token prompts, A (sampled where the spec samples) and B, are admitted

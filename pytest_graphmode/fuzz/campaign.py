@@ -45,6 +45,7 @@ from pytest_graphmode.strategies.scheduler import compile_schedule
 from pytest_graphmode.strategies.schedules import (
     first_capture_on_long_contexts,
     first_front_departure,
+    first_graph_stream_sweep,
     first_handover,
     first_pair,
     first_partial_bucket,
@@ -154,7 +155,7 @@ def run_campaign(
     shrunk. `shrink_seconds` bounds the shrinking (None: Hypothesis shrinks until done; 0: the
     failure is reported as found). `on_example(seed, events)` is called before each example runs.
     `pipelined=False` leaves pipelined pairs out of the schedules (docs/contract.md): every step
-    then runs in lockstep, each read before the next is sent; else the campaign's first nine examples
+    then runs in lockstep, each read before the next is sent; else the campaign's first eleven examples
     are fixed schedules, counted among its examples: the simplest pipelined pairs, an eager prefill
     then a replay and two replays (`first_pair`), then a graph replay paired with an eager prefill,
     a weight update before replays, the longest context and a speculative step
@@ -168,7 +169,9 @@ def run_campaign(
     other stream held back alone (`first_stream_sweep`), then a speculative step with the request
     count of a graph and more tokens than the largest (`first_tokens_past_the_largest_graph`), then,
     on fresh twins, a graph first captured for two long contexts replaying a batch with a short row
-    (`first_capture_on_long_contexts`), then a preempted request coming back beside one that took
+    (`first_capture_on_long_contexts`), then decode steps on a graph delayed as the stream sweep's,
+    with a request back from sitting out a step and then with more requests than the largest graph
+    (`first_graph_stream_sweep`), then a preempted request coming back beside one that took
     its blocks, and decoding on a graph (`first_return_after_preemption`).
     `seconds` is a time budget: once that many seconds have passed since the
     campaign started, no new example starts and the campaign ends as passed (a failure found before
@@ -325,6 +328,7 @@ def _leading_schedules(spec: TargetSpec) -> list[list[StepPlan]]:
         first_stream_sweep(spec),
         first_tokens_past_the_largest_graph(spec),
         first_capture_on_long_contexts(spec),
+        first_graph_stream_sweep(spec),
         first_return_after_preemption(spec),
     ]
 

@@ -25,6 +25,7 @@ from pytest_graphmode.strategies.schedules import (
     DELAY_CYCLES,
     first_capture_on_long_contexts,
     first_front_departure,
+    first_graph_stream_sweep,
     first_handover,
     first_partial_bucket,
     first_phase_change,
@@ -171,9 +172,9 @@ def test_a_time_budget_runs_hypothesis_in_rounds_with_the_leading_examples_once(
         on_example=lambda _, e: seen.append(e),
     )
     assert stats.examples == len(seen) == rounds + 5 and not stats.stopped_by_time_budget
-    # Only the first round starts with the ten leading examples; later rounds draw as a fresh
+    # Only the first round starts with the eleven leading examples; later rounds draw as a fresh
     # ci-sized run.
-    for i in range(10):
+    for i in range(11):
         assert [j for j, events in enumerate(seen) if events == seen[i]] == [i]
     assert sum(isinstance(e, Batch) for e in seen[1]) == len(first_phase_change(toy.SPEC))
     assert sum(isinstance(e, Batch) for e in seen[2]) == len(first_partial_bucket(toy.SPEC))
@@ -185,8 +186,11 @@ def test_a_time_budget_runs_hypothesis_in_rounds_with_the_leading_examples_once(
     assert sum(isinstance(e, Batch) for e in seen[7]) == len(past) > 0
     long = first_capture_on_long_contexts(toy.SPEC)
     assert sum(isinstance(e, Batch) for e in seen[8]) == len(long) > 0
+    sweep = first_graph_stream_sweep(toy.SPEC)
+    assert sum(isinstance(e, Batch) for e in seen[9]) == len(sweep) > 0
+    assert [e.held_stream for e in seen[9] if isinstance(e, Stress)] == [0, 1, 2]
     back = first_return_after_preemption(toy.SPEC)
-    assert sum(isinstance(e, Batch) for e in seen[9]) == len(back) > 0
+    assert sum(isinstance(e, Batch) for e in seen[10]) == len(back) > 0
 
 
 def test_a_failure_is_shrunk_and_reported_though_the_time_budget_is_spent():

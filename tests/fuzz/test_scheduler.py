@@ -537,6 +537,49 @@ def test_the_stream_sweep_is_left_out_where_a_step_cannot_hold_two_requests():
     assert schedules_module.first_stream_sweep(one) == []
 
 
+PAST_FITS = dataclasses.replace(SPEC, capture_sizes=(1, 2, 4), num_blocks=24)
+
+
+@pytest.mark.parametrize(
+    ("spec", "returns_at"),
+    [(PAST_FITS, (2, 3, 5)), (DECODE_ONLY, (1, 3, 4))],
+    ids=["prefill", "decode-only"],
+)
+def test_the_graph_stream_sweep_holds_each_stream_back_as_a_request_returns_then_past_the_graphs(
+    spec, returns_at
+):
+    events = compile_schedule(spec, schedules_module.first_graph_stream_sweep(spec), seed=0)
+    batches = [e for e in events if isinstance(e, Batch)]
+    assert all(batch_problems(b, spec) == [] for b in batches)
+    stresses = [e for e in events if isinstance(e, Stress)]
+    assert [s.held_stream for s in stresses] == [0, 1, 2] * (2 if spec is PAST_FITS else 1)
+    assert all(s.delay_cycles and not s.pipelined for s in stresses)
+    delayed = [i + 1 for i, e in enumerate(events) if isinstance(e, Stress)]
+    # the first three: two requests decode together, one of them back from sitting out the step
+    # before, which the other ran alone
+    for at, context in zip(delayed[:3], returns_at, strict=True):
+        before, step = events[at - 2], events[at]
+        assert isinstance(before, Batch) and isinstance(step, Batch)
+        assert step.num_reqs == 2 and all(len(r.tokens) == 1 for r in step.requests)
+        (back,) = [r for r in step.requests if r.req_id not in {q.req_id for q in before.requests}]
+        assert back.context_len == context
+    # then every live request decodes, one more than the largest graph holds
+    for at in delayed[3:]:
+        step = events[at]
+        assert step.num_reqs == max(spec.capture_sizes) + 1
+        assert all(len(r.tokens) == 1 and r.context_len > 0 for r in step.requests)
+    assert (batches[0].requests[0].seed is not None) == ("sampling" in spec.features)
+
+
+def test_the_graph_stream_sweep_leaves_out_what_its_spec_cannot_hold():
+    # six requests a step, graphs up to 8: no step past the largest graph
+    assert len(schedules_module.first_graph_stream_sweep(SPEC)) == 7
+    one = dataclasses.replace(SPEC, max_num_reqs=1)
+    assert schedules_module.first_graph_stream_sweep(one) == []
+    short = dataclasses.replace(SPEC, max_blocks_per_req=1)  # four positions a request
+    assert schedules_module.first_graph_stream_sweep(short) == []
+
+
 @pytest.mark.parametrize(
     ("spec", "rows", "drafts"),
     [
