@@ -869,9 +869,10 @@ def first_tokens_past_the_largest_graph(spec: TargetSpec) -> list[StepPlan]:
 def first_capture_on_long_contexts(spec: TargetSpec) -> list[StepPlan]:
     """The simplest schedule in which a graph first captured for rows that are all long replays a
     batch with a short row. A campaign runs it as its ninth example, after
-    `first_tokens_past_the_largest_graph`: the first example on fresh twins (kept twins are made
-    again every `kept_twins.FRESH_EVERY` examples), so a runner that captures a graph the first
-    time a batch needs it captures its graph of two rows here.
+    `first_tokens_past_the_largest_graph` (its eighth where that one is left out), on fresh twins
+    made for it wherever it falls (kept twins are also made again every `kept_twins.FRESH_EVERY`
+    examples), so a runner that captures a graph the first time a batch needs it captures its
+    graph of two rows here.
 
     Two requests with prompts four positions short of the per-request limit are admitted and
     prefilled together (half the step's token budget each, in as many steps as that takes), then

@@ -193,11 +193,12 @@ def run_campaign(
     # Under a time budget the example count is only a cap: "N of M" would say nothing.
     stats.planned_examples = 0 if seconds is not None else chosen.max_examples
     stats.time_budget_seconds = seconds
-    leading = (
-        [p for p in _leading_schedules(spec) if p][: chosen.max_examples]
+    leading, fresh_at = (
+        _leading_schedules(spec)
         if pipelined and hypothesis.Phase.explicit in chosen.phases
-        else []
+        else ([], None)
     )
+    leading = leading[: chosen.max_examples]
     stats.shrink_budget_seconds = shrink_seconds
     budget = ShrinkBudget(stats, started, shrink_seconds, progress)
     twins = KeptTwins(factory, backend=backend, stats=stats)
@@ -209,11 +210,12 @@ def run_campaign(
         heap.catch_up()
         events = compile_schedule(spec, plans, seed=example_seed)
         budget.leading = stats.examples < len(leading)  # explicit examples run first
+        fresh = budget.leading and stats.examples == fresh_at
         stats.examples += 1
         if on_example is not None:
             on_example(example_seed, events)
         try:
-            twins.run(events, example_seed)
+            twins.run(events, example_seed, fresh=fresh)
         except HistoryFailure as escaped:
             budget.failed(escaped.failed, unshrunk=escaped.unshrunk)
             raise
@@ -316,21 +318,30 @@ def seeded(test: Callable[[], None], seed: int | None, run: int) -> Callable[[],
     return hypothesis.seed(run_seed)(test)
 
 
-def _leading_schedules(spec: TargetSpec) -> list[list[StepPlan]]:
-    """The fixed schedules a campaign runs first, in order (an empty one is left out)."""
-    return [
-        first_pair(spec),
-        first_phase_change(spec),
-        first_partial_bucket(spec),
-        first_front_departure(spec),
-        first_stale_tail(spec),
-        first_handover(spec),
-        first_stream_sweep(spec),
-        first_tokens_past_the_largest_graph(spec),
-        first_capture_on_long_contexts(spec),
-        first_graph_stream_sweep(spec),
-        first_return_after_preemption(spec),
-    ]
+_LEADING: tuple[Callable[[TargetSpec], list[StepPlan]], ...] = (
+    first_pair,
+    first_phase_change,
+    first_partial_bucket,
+    first_front_departure,
+    first_stale_tail,
+    first_handover,
+    first_stream_sweep,
+    first_tokens_past_the_largest_graph,
+    first_capture_on_long_contexts,
+    first_graph_stream_sweep,
+    first_return_after_preemption,
+)
+# Starts on fresh twins wherever it falls (an empty schedule before it moves it forward): a runner
+# that captures a graph the first time a batch needs it must capture one there, on long contexts.
+_ON_FRESH_TWINS = first_capture_on_long_contexts
+
+
+def _leading_schedules(spec: TargetSpec) -> tuple[list[list[StepPlan]], int | None]:
+    """The fixed schedules a campaign runs first, in order, an empty one left out; and the index
+    among them of the one that starts on fresh twins (None where that one is empty)."""
+    made = [(make, plans) for make in _LEADING if (plans := make(spec))]
+    fresh = next((i for i, (make, _) in enumerate(made) if make is _ON_FRESH_TWINS), None)
+    return [plans for _, plans in made], fresh
 
 
 def _after_leading_examples(chosen: hypothesis.settings, leading: int) -> hypothesis.settings:

@@ -4,7 +4,8 @@ Making the twins and capturing their graphs is most of an example's cost, so a c
 twins: each example after the first on them starts with a `Reset` (every twin's `state()` restored
 from the copy taken when the twins were made, the generators reseeded), and the graphs captured
 so far stay captured. Fresh twins still come, so that bugs of capture itself stay reachable: every
-`FRESH_EVERY`-th example. A weight update needs none: every twin gets the same new weights, and
+`FRESH_EVERY`-th example, and any example the campaign asks them for (`run(..., fresh=True)`: the
+leading example of a capture on long contexts). A weight update needs none: every twin gets the same new weights, and
 the next examples start from them (restoring `state()` does not undo them). What a runner must
 do to be kept is in docs/contract.md ("Kept twins").
 
@@ -79,13 +80,14 @@ class KeptTwins:
         self._keep = True
         self._kept: Lockstep | None = None
 
-    def run(self, events: Sequence[Batch | Stress], seed: int) -> None:
-        """Run one example; raise `GraphmodeFailure` (or `HistoryFailure`) for a failure."""
+    def run(self, events: Sequence[Batch | Stress], seed: int, fresh: bool = False) -> None:
+        """Run one example, on fresh twins every `FRESH_EVERY` examples, and with `fresh` whatever
+        the count; raise `GraphmodeFailure` (or `HistoryFailure`) for a failure."""
         if not self._keep:
             self._alone(events, seed, self._stats)
             return
         kept = self._kept
-        if kept is None or kept.examples >= FRESH_EVERY:
+        if kept is None or fresh or kept.examples >= FRESH_EVERY:
             self.close()
             try:
                 kept = self._kept = Lockstep(

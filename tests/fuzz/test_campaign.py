@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import subprocess
@@ -191,6 +192,32 @@ def test_a_time_budget_runs_hypothesis_in_rounds_with_the_leading_examples_once(
     assert [e.held_stream for e in seen[9] if isinstance(e, Stress)] == [0, 1, 2]
     back = first_return_after_preemption(toy.SPEC)
     assert sum(isinstance(e, Batch) for e in seen[10]) == len(back) > 0
+
+
+def test_the_capture_on_long_contexts_starts_on_fresh_twins_where_an_example_before_is_left_out():
+    # Without speculative decoding the eighth leading example is empty, and the capture on long
+    # contexts moves forward to the eighth: twins kept since the first would serve it.
+    features = toy.SPEC.features - {"spec_decode"}
+    assert (
+        first_tokens_past_the_largest_graph(dataclasses.replace(toy.SPEC, features=features)) == []
+    )
+    running = [-1]  # the example running, from 0
+    made_during: list[int] = []
+
+    def counting(mode: str, *, seed: int, backend: str) -> toy.ToyTarget:
+        made_during.append(running[0])
+        return toy.make_target(mode, seed=seed, backend=backend)
+
+    def started(_: int, events: Sequence[Batch | Stress]) -> None:
+        running[0] += 1
+
+    stats = run_campaign(
+        counting, max_examples=10, max_steps=3, seed=0, features=features, on_example=started
+    )
+    assert stats.failures == []
+    # twins made for the first example and for the eighth, the long contexts' (FRESH_EVERY would
+    # have made them for the ninth), none for any other
+    assert sorted({e for e in made_during if e >= 0}) == [0, 7]
 
 
 def test_a_failure_is_shrunk_and_reported_though_the_time_budget_is_spent():
