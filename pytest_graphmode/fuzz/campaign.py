@@ -155,10 +155,10 @@ def run_campaign(
     shrunk. `shrink_seconds` bounds the shrinking (None: Hypothesis shrinks until done; 0: the
     failure is reported as found). `on_example(seed, events)` is called before each example runs.
     `pipelined=False` leaves pipelined pairs out of the schedules (docs/contract.md): every step
-    then runs in lockstep, each read before the next is sent; else the campaign's first eleven examples
-    are fixed schedules, counted among its examples: the simplest pipelined pairs, an eager prefill
-    then a replay and two replays (`first_pair`), then a graph replay paired with an eager prefill,
-    a weight update before replays, the longest context and a speculative step
+    then runs in lockstep, each read before the next is sent; else the campaign's first eleven
+    examples are fixed schedules, counted among its examples: the simplest pipelined pairs, an eager
+    prefill then a replay and two replays (`first_pair`), then a graph replay paired with an eager
+    prefill, a weight update before replays, the longest context and a speculative step
     (`first_phase_change`), then a graph captured with a padding row replaying a full batch and a
     padded one (`first_partial_bucket`), then a request leaving the first row while a later one goes
     on to start a new block and sample (`first_front_departure`), then a batch shrinking within its
@@ -171,8 +171,8 @@ def run_campaign(
     on fresh twins, a graph first captured for two long contexts replaying a batch with a short row
     (`first_capture_on_long_contexts`), then decode steps on a graph delayed as the stream sweep's,
     with a request back from sitting out a step and then with more requests than the largest graph
-    (`first_graph_stream_sweep`), then a preempted request coming back beside one that took
-    its blocks, and decoding on a graph (`first_return_after_preemption`).
+    (`first_graph_stream_sweep`), then a preempted request coming back beside one that took its
+    blocks, and decoding on a graph (`first_return_after_preemption`).
     `seconds` is a time budget: once that many seconds have passed since the
     campaign started, no new example starts and the campaign ends as passed (a failure found before
     is shrunk as always, within `shrink_seconds`); `max_examples` still caps the count.

@@ -5,9 +5,9 @@ twins: each example after the first on them starts with a `Reset` (every twin's 
 from the copy taken when the twins were made, the generators reseeded), and the graphs captured
 so far stay captured. Fresh twins still come, so that bugs of capture itself stay reachable: every
 `FRESH_EVERY`-th example, and any example the campaign asks them for (`run(..., fresh=True)`: the
-leading example of a capture on long contexts). A weight update needs none: every twin gets the same new weights, and
-the next examples start from them (restoring `state()` does not undo them). What a runner must
-do to be kept is in docs/contract.md ("Kept twins").
+leading example of a capture on long contexts). A weight update needs none: every twin gets the
+same new weights, and the next examples start from them (restoring `state()` does not undo them).
+What a runner must do to be kept is in docs/contract.md ("Kept twins").
 
 A failure found on kept twins is run again alone, on fresh twins, after the weight update it
 started from if there was one. When it fails there too without such an update, that is the
