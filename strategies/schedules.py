@@ -745,14 +745,13 @@ def first_stream_sweep(spec: TargetSpec) -> list[StepPlan]:
     prompt = 2 if "prefill" in spec.features else 1
     plans = [StepPlan(kind="prefill", rows=1, arrivals=(first,))]
     for turn, stream in enumerate(held):
-        late = Stress(delay_cycles=DELAY_CYCLES, held_stream=stream)
         plans.append(
             StepPlan(
                 kind="mixed",
                 rows=2,
                 arrivals=(Arrival(prompt_len=prompt),),
                 finish=(1,) if turn else (),
-                stress=late,
+                stress=_held_alone(stream),
             )
         )
     return plans
@@ -784,11 +783,12 @@ def first_graph_stream_sweep(spec: TargetSpec) -> list[StepPlan]:
     requests or the cache their six positions each."""
     held = [k for k in HELD_STREAMS if k is not None]
     prompt = 2 if "prefill" in spec.features else 1
+    positions = 2 * len(held)  # what A and B hold after their turns, at most
     returns_fit = (
         min(spec.max_num_reqs, spec.max_num_tokens) >= 2
         and spec.max_num_tokens >= 1 + prompt
-        and 2 * len(held) <= _capacity(spec)
-        and 2 * _blocks(spec, 2 * len(held)) <= spec.num_blocks - 1
+        and positions <= _capacity(spec)
+        and 2 * _blocks(spec, positions) <= spec.num_blocks - 1
     )
     if not returns_fit:
         return []
@@ -799,7 +799,7 @@ def first_graph_stream_sweep(spec: TargetSpec) -> list[StepPlan]:
         alone = StepPlan(kind="decode", rows=1, rotate=turn % 2)
         together = StepPlan(kind="decode", rows=2, stress=_held_alone(stream))
         plans += [alone, together]
-    return plans + _past_the_largest_graph_held(spec, held, live_positions=2 * len(held))
+    return plans + _past_the_largest_graph_held(spec, held, live_positions=positions)
 
 
 def _held_alone(stream: int) -> Stress:

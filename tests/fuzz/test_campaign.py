@@ -175,7 +175,7 @@ def test_a_time_budget_runs_hypothesis_in_rounds_with_the_leading_examples_once(
     assert stats.examples == len(seen) == rounds + 5 and not stats.stopped_by_time_budget
     # Only the first round starts with the eleven leading examples; later rounds draw as a fresh
     # ci-sized run.
-    for i in range(11):
+    for i in range(len(campaign_module._LEADING)):
         assert [j for j, events in enumerate(seen) if events == seen[i]] == [i]
     assert sum(isinstance(e, Batch) for e in seen[1]) == len(first_phase_change(toy.SPEC))
     assert sum(isinstance(e, Batch) for e in seen[2]) == len(first_partial_bucket(toy.SPEC))

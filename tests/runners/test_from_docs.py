@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+import pytest_graphmode.fuzz.campaign as campaign_module
 from pytest_graphmode.contract import TargetFactory
 from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.isolation import run_isolated
@@ -334,12 +335,6 @@ ON_CUDA["state_slot_padding"] = ("states_match", "padding_inert")
 # A poisoned entry index past the logits is an exception on sim and a device-side assert on the
 # H200 (2026-12-05, seed 0).
 ON_CUDA["logit_bias_sparse_lists"] = ("replay_matches_eager", "no_device_fault")
-# Races a GPU did not show within the leading examples until they held each stream back alone in
-# decode steps on a graph (`first_graph_stream_sweep`): a reload for a request back from sitting
-# out, a download between two replays of one graph. On the H100 (2026-12-06) both were caught
-# there on seeds 0-2: `padding_inert` at the return step with the copy stream held back,
-# `replay_matches_eager` at the step past the largest graph with it held back.
-NOT_SHOWN_ON_CUDA: set[str] = set()
 # A split written past the workspace, and a poisoned track destination, are exceptions on sim
 # and device-side asserts on a GPU.
 ON_CUDA["shared_prefix_cascade"] = ("replay_matches_eager", "no_device_fault")
@@ -347,16 +342,16 @@ ON_CUDA["mamba_extra_buffer"] = ("replay_matches_eager", "states_match", "no_dev
 # A replay through the freed expert workspace read indices past a table there: a device-side
 # assert at the second example on seeds 0-2 (the H100, 2026-12-06).
 ON_CUDA["layerwise_reload_moe"] = ("replay_matches_eager", "no_device_fault")
+# Bugs a GPU does not show within the leading examples; on cuda only their correct runners run.
 # CUDA does not say which of two writes to one index lands: on the H100 (2026-12-06) the
 # substitution's write won on seeds 0-2 (20 examples each), so the batch's token never replaced
-# it; the sim lets the later write land, and catches it at the eighth example.
-NOT_SHOWN_ON_CUDA.add("placeholder_substitution")
+# it; the sim lets the later write land, and catches it at the eighth example. (The races of
+# `kv_swap_in_race` and `async_download_overwritten` were here until the leading examples held
+# each stream back alone in decode steps on a graph, `first_graph_stream_sweep`; so was
+# `shared_expert_stream_inplace`'s until the cuda delays held back a stream the step enters.)
+NOT_SHOWN_ON_CUDA = {"placeholder_substitution"}
 # Not yet run on a GPU. Their correct runners run there.
 NOT_YET_ON_CUDA: set[str] = set()
-# The shared expert's read on its side stream and the routed experts' in-place write raced on the
-# H100 in no order that changed a value (seeds 0-2, 20 examples each, 2026-12-06, late), until
-# the cuda delays held back the work queued on a stream the step enters: caught there at step 0
-# of the first example on seeds 0-2 (2026-12-06, later).
 # Races the sim reports when the twins are made, from its race checker; on a GPU only a value
 # can show them, in a step (the routed experts reading the shared expert's output through the
 # clone's block: `replay_matches_eager` at step 1 of the first example, seeds 0-2, on the H100).
@@ -376,7 +371,7 @@ ON_CUDA["flashinfer_kv_layout"] = ("replay_matches_eager", "kv_writes_confined",
 ON_CUDA["memory_profiled_capture"] = ("replay_matches_eager", "no_device_fault")
 # A poisoned window index is an exception on sim and a device-side assert on a GPU.
 ON_CUDA["alternating_window_layers"] = ("replay_matches_eager", "no_device_fault")
-LEADING = 11  # the campaign's fixed leading examples (fuzz/campaign.py)
+LEADING = len(campaign_module._LEADING)  # the campaign's fixed leading examples
 # vLLM's start-up profiling asserts that the GPU's free memory did not rise while it profiled,
 # which another process freeing memory on the same GPU breaks: on a GPU shared by eight pytest
 # workers, the correct runner failed so (2026-12-05, late); alone, on the same H200, it passed.
