@@ -13,10 +13,11 @@ from typing import Literal
 
 StepKind = Literal["decode", "spec", "prefill", "mixed"]
 STEP_KINDS: tuple[StepKind, ...] = ("decode", "spec", "prefill", "mixed")
-# What a delay makes land late on cuda (`stream_delays`): copies and event records, or the
-# step's computation (its eager kernels and graph replays).
-Late = Literal["copies", "compute"]
-LATE: tuple[Late, ...] = ("copies", "compute")
+# What a delay makes land late on cuda (`stream_delays`): copies and event records, the step's
+# computation (its eager kernels and graph replays), or the host (every copy has landed before
+# the host goes on).
+Late = Literal["copies", "compute", "host"]
+LATE: tuple[Late, ...] = ("copies", "compute", "host")
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,13 @@ class Stress:
     host copy and event record of the stressed twin's step, on whichever stream it runs, or,
     with `late="compute"`, on the current stream as the step begins and ahead of every graph
     replay instead (`stream_delays`): the other order of a race, a copy overwriting what a replay
-    or an eager forward still reads; `held_stream`: with `delay_cycles`, hold back only the step's
-    `held_stream`-th stream (counted in the order the step first delays work on it) and no other,
-    so that a race between two streams shows (None: every stream); `scheduler_seed`: on sim,
-    reseed the stream scheduler (both when not None).
+    or an eager forward still reads; with `late="host"`, sleep nowhere and make every asynchronous
+    copy between host and device land before the host goes on (`landed_copies`): a host write
+    into a copy's source after the copy was queued then never reaches the device (`delay_cycles`
+    only switches it on, `held_stream` is not used); `held_stream`: with `delay_cycles`, hold
+    back only the step's `held_stream`-th stream (counted in the order the step first delays work
+    on it) and no other, so that a race between two streams shows (None: every stream);
+    `scheduler_seed`: on sim, reseed the stream scheduler (both when not None).
     Poisoning needs no field: it happens before every step.
 
     `pipelined`: the harness submits the next step to the graph twin before it reads anything of

@@ -25,6 +25,7 @@ from pytest_graphmode.strategies.plans import (
     LATE,
     STEP_KINDS,
     Arrival,
+    Late,
     StepKind,
     StepPlan,
     Stress,
@@ -45,6 +46,10 @@ DELAY_CYCLES = 2_000_000  # long enough that an unsynchronised copy stream visib
 # Which stream a delay holds back: every one (what shrinking tends to), or one of the first three a
 # step uses (a compute, a copy and an output stream cover the runners seen so far).
 HELD_STREAMS = (None, 0, 1, 2)
+# What a delayed step that is not half of a pipelined pair makes late: its copies, or the host
+# (a copy issued then overwritten on the host within the step). Its computation only matters to
+# a step after it, which a pair has (`LATE`).
+ONE_STEP_LATE: tuple[Late, ...] = ("copies", "host")
 
 
 def _capacity(spec: TargetSpec) -> int:
@@ -193,11 +198,13 @@ def stresses(
     if "weight_update" in spec.features:
         weight_seeds = st.one_of(st.none(), st.integers(1, 2**16))
     delays, held_streams, scheduler_seeds = st.just(0), st.none(), st.none()
+    lates: st.SearchStrategy[Late] = st.just("copies")
     if "delays" in swarm.stressors:
         # Three steps in four where delays are on: on cuda a race shows only on a delayed step
         # whose held stream is the late side of it (`HELD_STREAMS`). Shrinking goes to 0.
         delays = st.integers(0, 3).map(lambda n: DELAY_CYCLES if n else 0)
         held_streams = st.sampled_from(HELD_STREAMS)
+        lates = st.sampled_from(ONE_STEP_LATE)
         scheduler_seeds = st.one_of(st.none(), st.integers(0, 2**16))
     active = st.builds(
         Stress,
@@ -206,6 +213,7 @@ def stresses(
         delay_cycles=delays,
         held_stream=held_streams,
         scheduler_seed=scheduler_seeds,
+        late=lates,
     )
     # A pair's delay makes its copies land late, or its computation: on cuda each shows one order
     # of a race between the two steps (`stream_delays`).
@@ -634,6 +642,13 @@ def first_stale_tail(spec: TargetSpec) -> list[StepPlan]:
     them on the device where a batch seems to continue the last, or rolling back only when every
     draft is rejected) writes that token's KV at the wrong slot. A random schedule seldom
     follows a partly rejected speculative step with a decode of exactly its rows.
+
+    The steps after the prefill make the host late on cuda (`Stress.late="host"`): every
+    asynchronous copy between host and device has landed before the runner's host code goes on.
+    A runner that writes its padding rows into pinned staging after queueing their upload then
+    uploads what the step before left there, as a runner that never rewrites them does; undelayed,
+    its host write mostly wins the race, and the bug shows by chance. Nothing changes on sim,
+    whose race check sees such a write whichever order it lands in.
     Empty where no capture size leaves a padding row, or a step or the cache cannot hold the c
     requests."""
     rows = _shrunk_rows(spec)
@@ -650,18 +665,21 @@ def first_stale_tail(spec: TargetSpec) -> list[StepPlan]:
     if not fits:
         return []
     gone = (-1,) * (c - live)  # the last request, then the new last one
+    landed = _host_late()
     if not drafts:
         return [
             StepPlan(kind="prefill", rows=c, arrivals=(Arrival(prompt_len=1),) * c),
-            StepPlan(kind="decode", rows=c),
-            StepPlan(kind="decode", rows=live, finish=gone),
+            StepPlan(kind="decode", rows=c, stress=landed),
+            StepPlan(kind="decode", rows=live, finish=gone, stress=landed),
         ]
     # Fewer positions than the drafts reached: a rejected draft's are taken again by the decode.
     return [
         StepPlan(kind="prefill", rows=c, arrivals=(Arrival(prompt_len=1),) * c),
-        StepPlan(kind="decode", rows=c),
-        StepPlan(kind="spec", rows=live, spec_k=drafts, accepted=drafts // 2, finish=gone),
-        StepPlan(kind="decode", rows=live),
+        StepPlan(kind="decode", rows=c, stress=landed),
+        StepPlan(
+            kind="spec", rows=live, spec_k=drafts, accepted=drafts // 2, finish=gone, stress=landed
+        ),
+        StepPlan(kind="decode", rows=live, stress=landed),
     ]
 
 
@@ -800,6 +818,12 @@ def first_graph_stream_sweep(spec: TargetSpec) -> list[StepPlan]:
         together = StepPlan(kind="decode", rows=2, stress=_held_alone(stream))
         plans += [alone, together]
     return plans + _past_the_largest_graph_held(spec, held, live_positions=positions)
+
+
+def _host_late() -> Stress:
+    """A step whose asynchronous copies between host and device land, on cuda, before its host
+    code goes on (`Stress.late="host"`)."""
+    return Stress(delay_cycles=DELAY_CYCLES, late="host")
 
 
 def _held_alone(stream: int) -> Stress:

@@ -1,5 +1,5 @@
 """Delays on every stream a runner uses (cuda): asynchronous copies and event records land late,
-or a step's computation does.
+or a step's computation does; or the host is late, every copy landing before it goes on.
 
 A sleep kernel on the current stream before a step only delays the work queued on that stream;
 a runner's own copy stream, or a copy issued after a blocking copy has drained the stream, still
@@ -68,6 +68,14 @@ on the other stream lasts the hold, and the download's hold runs meanwhile. So b
 `held_stream`: None holds back every stream; k holds back only the k-th distinct stream the step
 delays work on (counted from 0 in the order the step first queues such work there: the stream a
 `wait_stream` records on, a copy stream, an output stream), and queues no sleep on any other.
+
+The host late instead: `landed_copies()` delays nothing and synchronizes the stream of every
+non-blocking copy between host memory and a cuda device right after issuing it (outside a capture),
+so the copy has read its source and written its destination before the host goes on. That is the
+order a host write into a pinned staging buffer after its upload was queued (padding written last,
+a buffer reused for the next request) needs to reach the device wrong: the upload has taken the
+values from before the write. Undelayed, the host mostly wins that race, and with copies landing
+late it always does; so neither shows it. Correct code is unaffected: the host only waits more.
 """
 
 from __future__ import annotations
@@ -123,8 +131,18 @@ def delayed_streams(
     with (
         _delayed_event_records(sleeps),
         _noting_entered_streams(sleeps),
-        _DelayedCopies(sleeps),
+        _AsyncCopies(sleeps),
     ):
+        yield
+
+
+@contextmanager
+def landed_copies() -> Iterator[None]:
+    """Make every non-blocking copy between host memory and a cuda device that the block issues
+    land before the block goes on: the stream it was issued on is synchronized right after it,
+    unless that stream is capturing a graph. Nothing is delayed. Torch is as it was after the
+    block, also when it raises."""
+    with _AsyncCopies(None, landing=True):
         yield
 
 
@@ -246,7 +264,7 @@ def sleep_cycles_per_second(device: int) -> float:
         return cycles / (start.elapsed_time(end) / 1e3)
 
 
-class _DelayedCopies(TorchDispatchMode):
+class _AsyncCopies(TorchDispatchMode):
     # torch keeps torch.compile out of a mode's frames by wrapping `__torch_dispatch__` in a guard
     # whose first call imports its whole compiler stack (about a second, and some 300,000 objects
     # that every later full collection walks). Nothing can be compiling while that stack is not
@@ -262,9 +280,12 @@ class _DelayedCopies(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, sleeps: _Sleeps) -> None:
+    def __init__(self, sleeps: _Sleeps | None, *, landing: bool = False) -> None:
+        """`sleeps`: the delays' sleeps ahead of the copies (None: none); `landing`: wait for each
+        copy right after issuing it (`landed_copies`)."""
         super().__init__()
         self.sleeps = sleeps
+        self.landing = landing
 
     def __torch_dispatch__(
         self,
@@ -274,20 +295,27 @@ class _DelayedCopies(TorchDispatchMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         if "torch._dynamo" in sys.modules:
-            return _delay_unseen_by_compiler(self, func, args, kwargs or {})
-        return self.delay_then_run(func, args, kwargs or {})
+            return _run_unseen_by_compiler(self, func, args, kwargs or {})
+        return self.run(func, args, kwargs or {})
 
-    def delay_then_run(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        if self.sleeps.entered:
-            self.sleeps.first_on_entered()
+    def run(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        sleeps = self.sleeps
+        if sleeps is not None and sleeps.entered:
+            sleeps.first_on_entered()
         device = async_copy_device(func, args, kwargs)
-        if device is not None:
-            self.sleeps.on(_current_stream(device))
-        return func(*args, **kwargs)
+        if device is None:
+            return func(*args, **kwargs)
+        stream = _current_stream(device)
+        if sleeps is not None:
+            sleeps.on(stream)
+        result = func(*args, **kwargs)
+        if self.landing and not _capturing(stream):
+            _wait_for(stream)
+        return result
 
 
 # torch's own guard, as it would have wrapped `__torch_dispatch__` (its import is lazy too).
-_delay_unseen_by_compiler = torch._disable_dynamo(_DelayedCopies.delay_then_run, recursive=True)
+_run_unseen_by_compiler = torch._disable_dynamo(_AsyncCopies.run, recursive=True)
 
 
 def _delayed_event_records(sleeps: _Sleeps) -> AbstractContextManager[None]:
@@ -337,6 +365,11 @@ def _capturing(stream: Any) -> bool:
     """Whether `stream` (None: the current stream) is capturing a CUDA graph."""
     with torch.cuda.stream(stream):
         return torch.cuda.is_current_stream_capturing()
+
+
+def _wait_for(stream: Any) -> None:
+    """The host waits until everything queued on `stream` has run."""
+    stream.synchronize()
 
 
 def _sleep_on(stream: Any, cycles: int) -> None:

@@ -19,7 +19,11 @@ import torch
 from pytest_graphmode.contract import Batch, TargetSpec, slot_major
 from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.strategies.plans import Stress
-from pytest_graphmode.strategies.stream_delays import delayed_compute, delayed_streams
+from pytest_graphmode.strategies.stream_delays import (
+    delayed_compute,
+    delayed_streams,
+    landed_copies,
+)
 
 _FLOAT_POISON = (float("nan"), float("inf"), float("-inf"), 3.0e38)
 _CHURN_BYTES = (4 << 10, 256 << 10, 4 << 20)
@@ -92,9 +96,16 @@ def churn(device: torch.device, count: int, rng: random.Random) -> list[torch.Te
     return made[::2]
 
 
-def delays_on(backend: Backend, stress: Stress) -> bool:
-    """Whether `stress` delays work on `backend`: only on cuda, only with `delay_cycles`."""
+def stressed_timing(backend: Backend, stress: Stress) -> bool:
+    """Whether `stress` changes when the step's work runs on `backend`: only on cuda, only with
+    `delay_cycles` (work made late, or, with `late="host"`, copies waited for)."""
     return bool(stress.delay_cycles) and backend.name == "cuda"
+
+
+def delays_on(backend: Backend, stress: Stress) -> bool:
+    """Whether `stress` queues sleeps on `backend`: where it changes the step's timing
+    (`stressed_timing`), unless it makes the host late instead (`late="host"`)."""
+    return stressed_timing(backend, stress) and stress.late != "host"
 
 
 def delay(backend: Backend, stress: Stress) -> None:
@@ -113,8 +124,11 @@ def delayed_step(
     asynchronous host copy and event record lands late, or the step's eager kernels and graph
     replays where `stress.late` says "compute", by at least `hold_cycles` where no earlier sleep
     holds their stream back, on every stream or on the step's `stress.held_stream`-th alone
-    (`stream_delays`); anywhere else nothing is entered at all, so an unstressed step pays
-    nothing."""
+    (`stream_delays`); with `late="host"` every asynchronous copy between host and device lands
+    before the host goes on instead (`landed_copies`); anywhere else nothing is entered at all, so
+    an unstressed step pays nothing."""
+    if stressed_timing(backend, stress) and stress.late == "host":
+        return landed_copies()
     if delays_on(backend, stress):
         if stress.late == "compute":
             return delayed_compute(stress.delay_cycles, hold_cycles, stress.held_stream)

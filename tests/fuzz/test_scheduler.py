@@ -6,15 +6,22 @@ import dataclasses
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import find, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import NoSuchExample
 
 from pytest_graphmode.contract import Batch, Request, batch_problems
 from pytest_graphmode.fuzz.lockstep import bucket_for
 from pytest_graphmode.strategies import schedules as schedules_module
-from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
+from pytest_graphmode.strategies.plans import LATE, Arrival, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import BlockAllocator, BlockScheduler, compile_schedule
-from pytest_graphmode.strategies.schedules import adapter_ids, batch_lists, row_counts, schedules
+from pytest_graphmode.strategies.schedules import (
+    DELAY_CYCLES,
+    adapter_ids,
+    batch_lists,
+    row_counts,
+    schedules,
+)
 from tests.fuzz.toy import SPEC
 
 DECODE_ONLY = dataclasses.replace(SPEC, features=frozenset({"decode"}))
@@ -364,6 +371,27 @@ def test_the_stale_tail_schedule_decodes_the_rows_of_a_partly_rejected_speculati
         assert len(now.tokens) == 1
         # past the accepted drafts and the bonus token, short of where the drafts reached
         assert now.context_len == before.context_len + drafts // 2 + 1 < before.seq_len
+
+
+@pytest.mark.parametrize("spec", [SPEC, DECODE_ONLY], ids=["speculative", "decode-only"])
+def test_the_stale_tail_steps_after_the_prefill_make_the_host_late(spec):
+    # A runner that writes its padding rows into pinned staging after queueing their upload
+    # shows it on cuda only where the upload lands first: what the step before left is uploaded.
+    prefill, *after = schedules_module.first_stale_tail(spec)
+    assert prefill.stress == Stress()
+    assert after and all(p.stress == Stress(delay_cycles=DELAY_CYCLES, late="host") for p in after)
+
+
+def test_a_delayed_step_alone_makes_its_copies_or_the_host_late_and_a_pair_any_of_the_three():
+    single = schedules_module.stresses(SPEC, pipelined=False)
+    for late in ("copies", "host"):
+        found = find(single, lambda s, late=late: s.delay_cycles > 0 and s.late == late)
+        assert found == Stress(delay_cycles=DELAY_CYCLES, late=late)
+    with pytest.raises(NoSuchExample):
+        find(single, lambda s: s.late == "compute")  # it would delay nothing a step reads
+    pairs = schedules_module.stresses(SPEC)
+    for late in LATE:
+        assert find(pairs, lambda s, late=late: s.pipelined and s.late == late).late == late
 
 
 # Graphs every 8 tokens from 8 (as engines capture them): 6 requests of 1 + 3 tokens fill 24.

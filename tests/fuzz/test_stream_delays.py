@@ -28,6 +28,7 @@ from pytest_graphmode.strategies.stream_delays import (
     async_copy_device,
     delayed_compute,
     delayed_streams,
+    landed_copies,
 )
 from tests.fuzz.toy import ToyTarget
 
@@ -269,6 +270,64 @@ def test_zero_cycles_of_late_compute_is_refused(sleeps):
         pass
 
 
+@pytest.fixture
+def waits(monkeypatch: pytest.MonkeyPatch, sleeps: list[tuple[Any, int]]) -> list[Any]:
+    """Every stream the host waits for in a landed-copies scope (streams as in `sleeps`)."""
+    made: list[Any] = []
+    monkeypatch.setattr(stream_delays, "_wait_for", made.append)
+    return made
+
+
+def test_landed_copies_wait_for_each_non_blocking_copy_right_after_it(waits, sleeps):
+    order: list[str] = []
+    with FakeTensorMode():
+        device_tensor, host = torch.empty(4, device="cuda"), torch.empty(4)
+        # An upload through the operator itself: torch's `Tensor.copy_` from host memory to a
+        # cuda tensor wants a cuda build even on fake tensors.
+        with landed_copies():
+            aten.copy_.default(device_tensor, host, True)
+            order.append(f"after the upload: {len(waits)} waited")
+            aten.copy_.default(device_tensor, host, non_blocking=True)
+            host.copy_(device_tensor, non_blocking=True)
+            host.copy_(device_tensor)  # blocking: the host waits anyway
+            host.add_(1)
+        aten.copy_.default(device_tensor, host, True)  # after the scope
+    assert waits == [("current", CUDA)] * 3
+    assert order == ["after the upload: 1 waited"]
+    assert sleeps == []  # nothing is delayed
+
+
+def test_landed_copies_wait_for_no_capturing_stream(waits, monkeypatch):
+    monkeypatch.setattr(stream_delays, "_capturing", lambda stream: True)
+    with FakeTensorMode():
+        device_tensor, host = torch.empty(4, device="cuda"), torch.empty(4)
+        with landed_copies():
+            aten.copy_.default(device_tensor, host, True)  # recorded into the graph
+    assert waits == []
+
+
+def test_the_landed_copies_scope_restores_torch_exactly_when_the_step_raises():
+    depth = len(_get_current_dispatch_mode_stack())
+    with pytest.raises(KeyError), landed_copies():
+        assert len(_get_current_dispatch_mode_stack()) == depth + 1
+        raise KeyError("the runner failed")
+    assert len(_get_current_dispatch_mode_stack()) == depth
+
+
+def test_a_cuda_step_with_the_host_late_lands_its_copies_and_sleeps_nowhere(sleeps):
+    record = vars(torch.cuda.Event)["record"]
+    depth = len(_get_current_dispatch_mode_stack())
+    stress = Stress(delay_cycles=1000, late="host", held_stream=1)
+    assert not stressors.delays_on(_Backend("cuda"), stress)
+    assert stressors.stressed_timing(_Backend("cuda"), stress)
+    stressors.delay(_Backend("cuda"), stress)  # before the step: no sleep either
+    with stressors.delayed_step(_Backend("cuda"), stress, hold_cycles=10**9):
+        assert len(_get_current_dispatch_mode_stack()) == depth + 1
+        assert vars(torch.cuda.Event)["record"] is record
+    assert sleeps == []
+    assert isinstance(stressors.delayed_step(_Backend("sim"), stress), nullcontext)
+
+
 def test_a_stress_names_what_lands_late():
     with pytest.raises(ValueError, match=r"Stress\.late='kernels'; use one of"):
         Stress(delay_cycles=1, late="kernels")  # type: ignore[arg-type]
@@ -336,7 +395,7 @@ def test_only_the_graph_twins_step_runs_in_the_delay_scope(monkeypatch):
     assert all(scope is None for twin, scope in steps if twin != 0)
 
 
-@pytest.mark.parametrize("late", ["copies", "compute"])
+@pytest.mark.parametrize("late", ["copies", "compute", "host"])
 def test_both_steps_of_a_delayed_pair_make_the_same_work_late(monkeypatch, late):
     # With late compute the first step's replay is what the second step's upload must not
     # overtake: a pair whose first step made its copies late instead would hide that race.
@@ -363,8 +422,8 @@ imported = "torch._dynamo" in sys.modules
 import torch._dynamo
 
 guarded = []
-unseen = stream_delays._delay_unseen_by_compiler
-stream_delays._delay_unseen_by_compiler = lambda *args: guarded.append(1) or unseen(*args)
+unseen = stream_delays._run_unseen_by_compiler
+stream_delays._run_unseen_by_compiler = lambda *args: guarded.append(1) or unseen(*args)
 with stream_delays.delayed_streams(5):
     then = torch.ones(3).add_(2).tolist()
 print(json.dumps([imported, first, bool(guarded), then]))

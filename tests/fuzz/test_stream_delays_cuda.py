@@ -18,6 +18,7 @@ from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.strategies.stream_delays import (
     delayed_compute,
     delayed_streams,
+    landed_copies,
     sleep_cycles_per_second,
 )
 
@@ -123,6 +124,54 @@ def test_nothing_sleeps_inside_a_capture(be, monkeypatch):
         doubled = device * 2
     # a sleep in the capture would be replayed with the graph, every time
     assert [captured for _, captured in sleeps if captured] == []
+    staging.fill_(4.0)
+    graph.replay()
+    assert doubled.unique().tolist() == [8.0]
+
+
+@pytest.mark.parametrize("on_a_copy_stream", [False, True], ids=["current", "copy stream"])
+def test_staging_rewritten_after_its_upload_was_queued_is_not_uploaded_when_the_host_is_late(
+    be, on_a_copy_stream
+):
+    copy_stream = be.Stream() if on_a_copy_stream else be.current_stream()
+    staging, device = _staged(be, 1.0)
+    with landed_copies():
+        with be.stream(copy_stream):
+            device.copy_(staging, non_blocking=True)
+        staging.fill_(2.0)  # the bug: the padding written after the upload was queued
+    be.current_stream().wait_stream(copy_stream)
+    assert device.unique().tolist() == [1.0]
+
+
+def test_staging_written_before_its_upload_is_uploaded_when_the_host_is_late(be):
+    staging, device = _staged(be, 1.0)
+    with landed_copies():
+        staging.fill_(2.0)
+        device.copy_(staging, non_blocking=True)
+        doubled = device * 2
+    assert doubled.unique().tolist() == [4.0]
+
+
+def test_a_download_has_landed_when_the_host_is_late(be):
+    source = torch.full((WORDS,), 3.0, device=be.device)
+    host = be.empty_pinned(WORDS)
+    host.zero_()
+    with landed_copies():
+        torch.cuda._sleep(CYCLES)  # the download waits for the work before it
+        host.copy_(source, non_blocking=True)
+        seen = host.clone()  # read without synchronizing: the copy is there all the same
+    assert seen.unique().tolist() == [3.0]
+
+
+def test_nothing_is_waited_for_inside_a_capture(be):
+    # a synchronization of the capturing stream would end the capture with an error
+    staging = be.empty_pinned(WORDS)
+    staging.fill_(1.0)
+    device = torch.zeros(WORDS, device=be.device)
+    graph = be.Graph()
+    with landed_copies(), be.graph(graph):
+        device.copy_(staging, non_blocking=True)
+        doubled = device * 2
     staging.fill_(4.0)
     graph.replay()
     assert doubled.unique().tolist() == [8.0]
