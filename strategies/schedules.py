@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 
 from pytest_graphmode.contract import Batch, TargetSpec
 from pytest_graphmode.strategies.plans import (
-    LATE,
     STEP_KINDS,
     Arrival,
     Late,
@@ -48,8 +47,12 @@ DELAY_CYCLES = 2_000_000  # long enough that an unsynchronised copy stream visib
 HELD_STREAMS = (None, 0, 1, 2)
 # What a delayed step that is not half of a pipelined pair makes late: its copies, or the host
 # (a copy issued then overwritten on the host within the step). Its computation only matters to
-# a step after it, which a pair has (`LATE`).
+# a step after it, which a pair has.
 ONE_STEP_LATE: tuple[Late, ...] = ("copies", "host")
+# What a delayed pair makes late: each shows one order of a race between its two steps. A late
+# host would land the first step's copies before the second step's host code could overwrite
+# their sources, hiding the race a pair is for; single steps draw it.
+PAIR_LATE: tuple[Late, ...] = ("copies", "compute")
 
 
 def _capacity(spec: TargetSpec) -> int:
@@ -223,7 +226,7 @@ def stresses(
         delay_cycles=delays,
         held_stream=held_streams,
         scheduler_seed=scheduler_seeds,
-        late=st.sampled_from(LATE),
+        late=st.sampled_from(PAIR_LATE),
     )
     if not pipelined or "pipelined" not in swarm.stressors:
         return st.one_of(st.just(Stress()), active)
@@ -445,7 +448,7 @@ def first_pair(spec: TargetSpec) -> list[StepPlan]:
         dataclasses.replace(
             single, stress=Stress(pipelined=True, delay_cycles=DELAY_CYCLES, late=late)
         )
-        for late in LATE
+        for late in PAIR_LATE
     ]
     prompt = 2 if "prefill" in spec.features else 1
     opening = StepPlan(kind="prefill", rows=1, arrivals=(Arrival(prompt_len=prompt),))
