@@ -53,6 +53,9 @@ ONE_STEP_LATE: tuple[Late, ...] = ("copies", "host")
 # host would land the first step's copies before the second step's host code could overwrite
 # their sources, hiding the race a pair is for; single steps draw it.
 PAIR_LATE: tuple[Late, ...] = ("copies", "compute")
+# A step whose asynchronous copies between host and device land, on cuda, before its host code
+# goes on.
+_HOST_LATE = Stress(delay_cycles=DELAY_CYCLES, late="host")
 
 
 def _capacity(spec: TargetSpec) -> int:
@@ -668,21 +671,25 @@ def first_stale_tail(spec: TargetSpec) -> list[StepPlan]:
     if not fits:
         return []
     gone = (-1,) * (c - live)  # the last request, then the new last one
-    landed = _host_late()
     if not drafts:
         return [
             StepPlan(kind="prefill", rows=c, arrivals=(Arrival(prompt_len=1),) * c),
-            StepPlan(kind="decode", rows=c, stress=landed),
-            StepPlan(kind="decode", rows=live, finish=gone, stress=landed),
+            StepPlan(kind="decode", rows=c, stress=_HOST_LATE),
+            StepPlan(kind="decode", rows=live, finish=gone, stress=_HOST_LATE),
         ]
     # Fewer positions than the drafts reached: a rejected draft's are taken again by the decode.
     return [
         StepPlan(kind="prefill", rows=c, arrivals=(Arrival(prompt_len=1),) * c),
-        StepPlan(kind="decode", rows=c, stress=landed),
+        StepPlan(kind="decode", rows=c, stress=_HOST_LATE),
         StepPlan(
-            kind="spec", rows=live, spec_k=drafts, accepted=drafts // 2, finish=gone, stress=landed
+            kind="spec",
+            rows=live,
+            spec_k=drafts,
+            accepted=drafts // 2,
+            finish=gone,
+            stress=_HOST_LATE,
         ),
-        StepPlan(kind="decode", rows=live, stress=landed),
+        StepPlan(kind="decode", rows=live, stress=_HOST_LATE),
     ]
 
 
@@ -821,12 +828,6 @@ def first_graph_stream_sweep(spec: TargetSpec) -> list[StepPlan]:
         together = StepPlan(kind="decode", rows=2, stress=_held_alone(stream))
         plans += [alone, together]
     return plans + _past_the_largest_graph_held(spec, held, live_positions=positions)
-
-
-def _host_late() -> Stress:
-    """A step whose asynchronous copies between host and device land, on cuda, before its host
-    code goes on (`Stress.late="host"`)."""
-    return Stress(delay_cycles=DELAY_CYCLES, late="host")
 
 
 def _held_alone(stream: int) -> Stress:

@@ -127,10 +127,10 @@ def delayed_step(
     (`stream_delays`); with `late="host"` every asynchronous copy between host and device lands
     before the host goes on instead (`landed_copies`); anywhere else nothing is entered at all, so
     an unstressed step pays nothing."""
-    if stressed_timing(backend, stress) and stress.late == "host":
+    if not stressed_timing(backend, stress):
+        return nullcontext()
+    if stress.late == "host":
         return landed_copies()
-    if delays_on(backend, stress):
-        if stress.late == "compute":
-            return delayed_compute(stress.delay_cycles, hold_cycles, stress.held_stream)
-        return delayed_streams(stress.delay_cycles, hold_cycles, stress.held_stream)
-    return nullcontext()
+    if stress.late == "compute":
+        return delayed_compute(stress.delay_cycles, hold_cycles, stress.held_stream)
+    return delayed_streams(stress.delay_cycles, hold_cycles, stress.held_stream)

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from pytest_graphmode.contract import Batch, Request
 from pytest_graphmode.fuzz import replay
@@ -278,9 +278,27 @@ def waits(monkeypatch: pytest.MonkeyPatch, sleeps: list[tuple[Any, int]]) -> lis
     return made
 
 
-def test_landed_copies_wait_for_each_non_blocking_copy_right_after_it(waits, sleeps):
+class _IssuedCopies(TorchDispatchMode):
+    """Notes "copy" in `log` as each `aten.copy_` is issued to the modes below it."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is aten.copy_.default:
+            self.log.append("copy")
+        return func(*args, **(kwargs or {}))
+
+
+def test_landed_copies_wait_for_each_non_blocking_copy_right_after_it(waits, sleeps, monkeypatch):
     order: list[str] = []
-    with FakeTensorMode():
+    issued: list[str] = []  # copies as the scope issues them, and its waits
+    noted = stream_delays._wait_for  # the `waits` fixture's
+    monkeypatch.setattr(
+        stream_delays, "_wait_for", lambda stream: issued.append("wait") or noted(stream)
+    )
+    with FakeTensorMode(), _IssuedCopies(issued):
         device_tensor, host = torch.empty(4, device="cuda"), torch.empty(4)
         # An upload through the operator itself: torch's `Tensor.copy_` from host memory to a
         # cuda tensor wants a cuda build even on fake tensors.
@@ -295,6 +313,8 @@ def test_landed_copies_wait_for_each_non_blocking_copy_right_after_it(waits, sle
     assert waits == [("current", CUDA)] * 3
     assert order == ["after the upload: 1 waited"]
     assert sleeps == []  # nothing is delayed
+    # each wait comes after its copy was issued, none for the blocking one or after the scope
+    assert issued == ["copy", "wait", "copy", "wait", "copy", "wait", "copy", "copy"]
 
 
 def test_landed_copies_wait_for_no_capturing_stream(waits, monkeypatch):
