@@ -25,9 +25,14 @@ a side stream's work runs late: host-staging races and missing waits show as wro
 code (an event recorded after the copy and waited on before the buffer is written again or the
 result is read) stays correct, only slower.
 
-Nothing is delayed inside a CUDA graph capture: a sleep issued on a capturing stream would be
-recorded into the graph and replayed on every later replay, long after the stressed step. Captured
-copies and records are left as they are (their timing is the replay's).
+Nothing is delayed while a CUDA graph capture is underway: a sleep issued on a capturing stream
+would be recorded into the graph and replayed on every later replay, long after the stressed step,
+and asking whether an event has completed or waiting for a stream, even one that is not capturing,
+ends a capture begun in torch's default (global) mode with an error. Captured copies and records
+are left as they are (their timing is the replay's). A capture is underway from a
+`torch.cuda.CUDAGraph.capture_begin` of the scope to its `capture_end` (what `torch.cuda.graph`
+calls), or while the stream an operation is queued on is capturing; a capture begun on another
+thread or by C++ code, on a stream the scope does not queue on, is not seen.
 
 A race has two orders, and copies landing late show only one: work that needs a copy runs before
 it. The other (a copy that overwrites what earlier work still reads: the next step's upload into
@@ -129,6 +134,7 @@ def delayed_streams(
     Torch is as it was after the block, also when it raises."""
     sleeps = _Sleeps("delayed_streams", cycles, hold_cycles, held_stream)
     with (
+        _counting_captures(sleeps.captures),
         _delayed_event_records(sleeps),
         _noting_entered_streams(sleeps),
         _AsyncCopies(sleeps),
@@ -142,7 +148,8 @@ def landed_copies() -> Iterator[None]:
     land before the block goes on: the stream it was issued on is synchronized right after it,
     unless that stream is capturing a graph. Nothing is delayed. Torch is as it was after the
     block, also when it raises."""
-    with _AsyncCopies(None, landing=True):
+    captures = _Captures()
+    with _counting_captures(captures), _AsyncCopies(None, landing=captures):
         yield
 
 
@@ -157,7 +164,10 @@ def delayed_compute(
     sleeps = _Sleeps("delayed_compute", cycles, hold_cycles, held_stream)
     sleeps.on(None)
     # None: the current stream, which the graph replays on.
-    with _sleeping_before(torch.cuda.CUDAGraph, "replay", sleeps, lambda graph: None):
+    with (
+        _counting_captures(sleeps.captures),
+        _sleeping_before(torch.cuda.CUDAGraph, "replay", sleeps, lambda graph: None),
+    ):
         yield
 
 
@@ -181,6 +191,7 @@ class _Sleeps:
         self._holding: dict[Any, Any] = {}  # stream -> an event past its last long sleep
         # Streams the block entered that no operation was queued on since (`entered_stream`).
         self.entered: set[Any] = set()
+        self.captures = _Captures()
         self._busy = threading.local()  # set while `on` runs: its own stream switches
 
     def entered_stream(self, stream: Any) -> None:
@@ -206,9 +217,9 @@ class _Sleeps:
             self._busy.on = False
 
     def _sleep(self, stream: Any) -> None:
-        if _capturing(stream):
-            # A sleep there would be recorded into the graph and replayed every time, and asking
-            # whether an event has completed there would end the capture with an error.
+        if self.captures.underway(stream):
+            # A sleep on the capturing stream would be recorded into the graph and replayed every
+            # time, and asking whether an event has completed would end the capture with an error.
             return
         resolved = _resolved(stream)
         place = self._order.setdefault(resolved, len(self._order))
@@ -280,9 +291,9 @@ class _AsyncCopies(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, sleeps: _Sleeps | None, *, landing: bool = False) -> None:
+    def __init__(self, sleeps: _Sleeps | None, *, landing: _Captures | None = None) -> None:
         """`sleeps`: the delays' sleeps ahead of the copies (None: none); `landing`: wait for each
-        copy right after issuing it (`landed_copies`)."""
+        copy right after issuing it unless one of these captures is underway (`landed_copies`)."""
         super().__init__()
         self.sleeps = sleeps
         self.landing = landing
@@ -309,13 +320,56 @@ class _AsyncCopies(TorchDispatchMode):
         if sleeps is not None:
             sleeps.on(stream)
         result = func(*args, **kwargs)
-        if self.landing and not _capturing(stream):
+        if self.landing is not None and not self.landing.underway(stream):
             _wait_for(stream)
         return result
 
 
 # torch's own guard, as it would have wrapped `__torch_dispatch__` (its import is lazy too).
 _run_unseen_by_compiler = torch._disable_dynamo(_AsyncCopies.run, recursive=True)
+
+
+class _Captures:
+    """The CUDA graph captures of one scope: how many it began (`_counting_captures`) and has not
+    ended yet."""
+
+    def __init__(self) -> None:
+        self.begun = 0
+
+    def underway(self, stream: Any) -> bool:
+        """Whether a capture is underway: one the scope began, or one on `stream` (None: the
+        current stream)."""
+        return self.begun > 0 or _capturing(stream)
+
+
+@contextmanager
+def _counting_captures(captures: _Captures) -> Iterator[None]:
+    """`torch.cuda.CUDAGraph.capture_begin` and `capture_end` replaced for the block by calls that
+    count the captures underway in `captures` (a capture that failed to begin is not counted;
+    one whose end fails still ends). Put back as `_run_first` puts back."""
+
+    def begin(original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            captures.begun += 1
+            return result
+
+        return counted
+
+    def end(original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            finally:
+                captures.begun = max(0, captures.begun - 1)
+
+        return counted
+
+    with (
+        _replacing(torch.cuda.CUDAGraph, "capture_begin", begin),
+        _replacing(torch.cuda.CUDAGraph, "capture_end", end),
+    ):
+        yield
 
 
 def _delayed_event_records(sleeps: _Sleeps) -> AbstractContextManager[None]:
@@ -334,20 +388,32 @@ def _sleeping_before(
     return _run_first(owner, name, lambda *args, **kwargs: sleeps.on(stream(*args, **kwargs)))
 
 
-@contextmanager
-def _run_first(owner: type, name: str, first: Callable[..., object]) -> Iterator[None]:
+def _run_first(
+    owner: type, name: str, first: Callable[..., object]
+) -> AbstractContextManager[None]:
     """`owner.name` replaced for the block by a call that first calls `first` with the same
-    arguments; on exit, also when the block raises, the exact attribute `owner` had is put back
-    (or removed, where it inherited it)."""
+    arguments (`_replacing`)."""
+
+    def then(original: Callable[..., Any]) -> Callable[..., Any]:
+        def replaced(*args: Any, **kwargs: Any) -> Any:
+            first(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        return replaced
+
+    return _replacing(owner, name, then)
+
+
+@contextmanager
+def _replacing(
+    owner: type, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Iterator[None]:
+    """`owner.name` replaced for the block by `wrap(original)`; on exit, also when the block
+    raises, the exact attribute `owner` had is put back (or removed, where it inherited it)."""
     owned = name in vars(owner)
     before = vars(owner).get(name)
     original = getattr(owner, name)  # what an instance resolves today, inherited or not
-
-    def replaced(*args: Any, **kwargs: Any) -> Any:
-        first(*args, **kwargs)
-        return original(*args, **kwargs)
-
-    setattr(owner, name, replaced)
+    setattr(owner, name, wrap(original))
     try:
         yield
     finally:

@@ -596,3 +596,80 @@ def test_a_held_back_stream_that_captures_is_neither_asked_nor_delayed(sleeps, h
         capturing.add("main stream")
         torch.cuda.Event.record("event", "main stream")
     assert sleeps == [("main stream", 700)]
+
+
+@pytest.fixture
+def captures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`torch.cuda.CUDAGraph.capture_begin` and `capture_end` that do nothing (a CPU build has
+    no capture to begin); a scope entered afterwards counts the calls to them."""
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", lambda graph, *a, **k: None)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", lambda graph: None)
+
+
+def test_a_held_back_side_stream_is_neither_asked_nor_delayed_while_a_capture_is_underway(
+    sleeps, held, captures, monkeypatch
+):
+    # The side stream does not capture; asking its event in torch's default (global) capture
+    # mode would end the capture on the other stream all the same.
+    monkeypatch.setattr(torch.cuda.Event, "record", lambda event, stream=None: None)
+
+    def query() -> bool:
+        raise AssertionError("an event queried during a global capture ends the capture")
+
+    with delayed_streams(7, hold_cycles=700):
+        torch.cuda.Event.record("event", "side stream")  # held back before the capture
+        held[0].query = query
+        torch.cuda.CUDAGraph.capture_begin("graph")
+        torch.cuda.Event.record("event", "side stream")
+        torch.cuda.CUDAGraph.capture_end("graph")
+        held[0].query = lambda: True  # the long sleep has passed
+        torch.cuda.Event.record("event", "side stream")
+    assert sleeps == [("side stream", 700), ("side stream", 700)]
+
+
+def test_late_compute_sleeps_before_no_replay_while_a_capture_is_underway(
+    sleeps, captures, monkeypatch
+):
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: None)
+    with delayed_compute(13):
+        torch.cuda.CUDAGraph.capture_begin("graph")
+        torch.cuda.CUDAGraph.replay("another graph")  # replayed into the capture
+        torch.cuda.CUDAGraph.capture_end("graph")
+        torch.cuda.CUDAGraph.replay("another graph")
+    assert sleeps == [(None, 13), (None, 13)]  # the step's own, on entry, and the last replay
+
+
+def test_landed_copies_wait_for_no_stream_while_a_capture_is_underway(waits, captures):
+    with FakeTensorMode():
+        device_tensor, host = torch.empty(4, device="cuda"), torch.empty(4)
+        with landed_copies():
+            torch.cuda.CUDAGraph.capture_begin("graph")
+            aten.copy_.default(device_tensor, host, True)  # on a stream that is not capturing
+            torch.cuda.CUDAGraph.capture_end("graph")
+            aten.copy_.default(device_tensor, host, True)
+    assert waits == [("current", CUDA)]  # only the copy after the capture ended
+
+
+def test_a_capture_that_fails_to_begin_is_not_counted(waits, monkeypatch):
+    def refused(graph: Any, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", refused)
+    with FakeTensorMode():
+        device_tensor, host = torch.empty(4, device="cuda"), torch.empty(4)
+        with landed_copies():
+            with pytest.raises(RuntimeError, match="capture refused"):
+                torch.cuda.CUDAGraph.capture_begin("graph")
+            aten.copy_.default(device_tensor, host, True)
+    assert waits == [("current", CUDA)]
+
+
+def test_the_capture_counters_are_put_back_when_the_step_raises(sleeps):
+    begin = vars(torch.cuda.CUDAGraph).get("capture_begin")
+    end = vars(torch.cuda.CUDAGraph).get("capture_end")
+    for scope in (landed_copies(), delayed_streams(1), delayed_compute(1)):
+        with pytest.raises(KeyError), scope:
+            assert torch.cuda.CUDAGraph.capture_begin is not begin
+            raise KeyError("the runner failed")
+        assert vars(torch.cuda.CUDAGraph).get("capture_begin") is begin
+        assert vars(torch.cuda.CUDAGraph).get("capture_end") is end

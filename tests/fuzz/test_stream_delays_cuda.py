@@ -7,6 +7,7 @@ stays hidden.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -175,6 +176,34 @@ def test_nothing_is_waited_for_inside_a_capture(be):
     staging.fill_(4.0)
     graph.replay()
     assert doubled.unique().tolist() == [8.0]
+
+
+@pytest.mark.parametrize("scope", ["unstressed", "landed copies", "held streams"])
+def test_an_upload_on_a_side_stream_during_a_capture_leaves_the_capture_whole(be, scope):
+    # torch captures in the global mode: while it captures, waiting for any stream or asking any
+    # event, even on a stream that is not capturing, ends the capture with an error.
+    side = be.Stream()
+    staging, uploaded = _staged(be, 1.0)
+    static = torch.zeros(WORDS, device=be.device)
+    graph = be.Graph()
+    stressed = {
+        "unstressed": contextlib.nullcontext(),
+        "landed copies": landed_copies(),
+        "held streams": delayed_streams(1000, hold_cycles=1_000_000),
+    }[scope]
+    with stressed:
+        with be.stream(side):
+            uploaded.copy_(staging, non_blocking=True)  # held back before the capture
+        with be.graph(graph):
+            doubled = static * 2
+            with be.stream(side):
+                uploaded.copy_(staging, non_blocking=True)  # not captured: side does not capture
+            tripled = doubled + static
+    be.synchronize()
+    static.fill_(2.0)
+    graph.replay()
+    be.synchronize()
+    assert tripled.unique().tolist() == [6.0] and uploaded.unique().tolist() == [1.0]
 
 
 def _doubling_graph(be):

@@ -342,6 +342,11 @@ ON_CUDA["mamba_extra_buffer"] = ("replay_matches_eager", "states_match", "no_dev
 # A replay through the freed expert workspace read indices past a table there: a device-side
 # assert at the second example on seeds 0-2 (the H100, 2026-12-06).
 ON_CUDA["layerwise_reload_moe"] = ("replay_matches_eager", "no_device_fault")
+# A padding row's stale query start covers valid tokens; the twin whose staging the harness poisoned
+# reads other stale starts than the clean one, so the valid rows may differ between the twins
+# first: at step 2 of the leading example whose padding rows follow a larger batch's, the host late
+# (seed 0, the H100, 2026-12-06, night).
+ON_CUDA["query_start_padding_stale"] = ("replay_matches_eager", "padding_inert")
 # Bugs a GPU does not show within the leading examples; on cuda only their correct runners run.
 # CUDA does not say which of two writes to one index lands: on the H100 (2026-12-06) the
 # substitution's write won on seeds 0-2 (20 examples each), so the batch's token never replaced
