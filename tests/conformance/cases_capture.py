@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tests.conformance.case import case, index_copy_of_too_many_dims
+from tests.conformance.case import another_stream, case, index_copy_of_too_many_dims
 
 _REFUSED = "raises CaptureError"
 
@@ -104,6 +104,13 @@ def event_synchronize_during_capture(be: Any) -> str:
 @case(_REFUSED)
 def stream_synchronize_during_capture(be: Any) -> str:
     return _attempt(be, lambda x: be.current_stream().synchronize())
+
+
+@case(_REFUSED)
+def another_stream_synchronized_during_capture(be: Any) -> str:
+    # torch captures in CUDA's global mode, where waiting for any stream is unsafe, not only for
+    # the capturing one: the capture ends with an error.
+    return _attempt(be, lambda x: another_stream(be).synchronize())
 
 
 @case(_REFUSED)

@@ -22,6 +22,7 @@ from pytest_graphmode.strategies.stream_delays import (
     landed_copies,
     sleep_cycles_per_second,
 )
+from tests.conformance.case import another_stream
 
 pytestmark = pytest.mark.graphmode_cuda
 
@@ -182,7 +183,6 @@ def test_nothing_is_waited_for_inside_a_capture(be):
 def test_an_upload_on_a_side_stream_during_a_capture_leaves_the_capture_whole(be, scope):
     # torch captures in the global mode: while it captures, waiting for any stream or asking any
     # event, even on a stream that is not capturing, ends the capture with an error.
-    side = be.Stream()
     staging, uploaded = _staged(be, 1.0)
     static = torch.zeros(WORDS, device=be.device)
     graph = be.Graph()
@@ -191,19 +191,18 @@ def test_an_upload_on_a_side_stream_during_a_capture_leaves_the_capture_whole(be
         "landed copies": landed_copies(),
         "held streams": delayed_streams(1000, hold_cycles=1_000_000),
     }[scope]
-    with stressed:
+    with stressed, be.graph(graph):
+        doubled = static * 2
+        side = another_stream(be)  # not the capturing one, which torch's stream pool may hand out
         with be.stream(side):
-            uploaded.copy_(staging, non_blocking=True)  # held back before the capture
-        with be.graph(graph):
-            doubled = static * 2
-            with be.stream(side):
-                uploaded.copy_(staging, non_blocking=True)  # not captured: side does not capture
-            tripled = doubled + static
+            uploaded.copy_(staging, non_blocking=True)  # outside the graph: side does not capture
+            uploaded.add_(1.0)  # held back behind the sleep ahead of the copy
+        tripled = doubled + static
     be.synchronize()
     static.fill_(2.0)
     graph.replay()
     be.synchronize()
-    assert tripled.unique().tolist() == [6.0] and uploaded.unique().tolist() == [1.0]
+    assert tripled.unique().tolist() == [6.0] and uploaded.unique().tolist() == [2.0]
 
 
 def _doubling_graph(be):
