@@ -146,7 +146,7 @@ def delayed_streams(
 def landed_copies() -> Iterator[None]:
     """Make every non-blocking copy between host memory and a cuda device that the block issues
     land before the block goes on: the stream it was issued on is synchronized right after it,
-    unless that stream is capturing a graph. Nothing is delayed. Torch is as it was after the
+    unless a capture is underway (module docstring). Nothing is delayed. Torch is as it was after the
     block, also when it raises."""
     captures = _Captures()
     with _counting_captures(captures), _AsyncCopies(None, landing=captures):
@@ -361,6 +361,7 @@ def _counting_captures(captures: _Captures) -> Iterator[None]:
             try:
                 return original(*args, **kwargs)
             finally:
+                # not below 0: a capture begun before the scope may end inside it
                 captures.begun = max(0, captures.begun - 1)
 
         return counted

@@ -187,16 +187,16 @@ def test_an_upload_on_a_side_stream_during_a_capture_leaves_the_capture_whole(be
     static = torch.zeros(WORDS, device=be.device)
     graph = be.Graph()
     stressed = {
-        "unstressed": contextlib.nullcontext(),
-        "landed copies": landed_copies(),
-        "held streams": delayed_streams(1000, hold_cycles=1_000_000),
+        "unstressed": contextlib.nullcontext,
+        "landed copies": landed_copies,
+        "held streams": lambda: delayed_streams(1000, hold_cycles=1_000_000),
     }[scope]
-    with stressed, be.graph(graph):
+    with stressed(), be.graph(graph):
         doubled = static * 2
         side = another_stream(be)  # not the capturing one, which torch's stream pool may hand out
         with be.stream(side):
             uploaded.copy_(staging, non_blocking=True)  # outside the graph: side does not capture
-            uploaded.add_(1.0)  # held back behind the sleep ahead of the copy
+            uploaded.add_(1.0)  # a kernel there runs outside the graph too
         tripled = doubled + static
     be.synchronize()
     static.fill_(2.0)
