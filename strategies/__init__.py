@@ -7,7 +7,8 @@
   and their parts, derived from a `TargetSpec`.
 - `swarm`: `swarms(spec)`, the features and stressors one schedule leaves on (swarm testing).
 - `stressors`: what happens to a target between steps (poison, churn, delays).
-- `stream_delays`: `delayed_streams(cycles, hold_cycles=0, held_stream=None)` and
-  `delayed_compute(...)`, the cuda delays on every stream a step uses or on one alone;
+- `stream_delays`: `delayed_streams(cycles, hold_cycles=0, held_stream=None, met=None)` and
+  `delayed_compute(...)`, the cuda delays on every stream a step uses or on one alone (`met`, a
+  `StreamsMet` shared across a runner's steps, takes `held_stream` modulo the streams they met);
   `sleep_cycles_per_second(device)`.
 """

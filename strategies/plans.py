@@ -51,7 +51,8 @@ class Stress:
     into a copy's source after the copy was queued then never reaches the device (`delay_cycles`
     only switches it on, `held_stream` is not used); `held_stream`: with `delay_cycles`, hold
     back only the step's `held_stream`-th stream (counted in the order the step first delays work
-    on it) and no other, so that a race between two streams shows (None: every stream);
+    on it; the harness takes it modulo the most streams the runner's earlier delayed steps met)
+    and no other, so that a race between two streams shows (None: every stream);
     `scheduler_seed`: on sim, reseed the stream scheduler (both when not None).
     Poisoning needs no field: it happens before every step.
 

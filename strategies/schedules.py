@@ -43,7 +43,8 @@ MAX_SPEC_K = 4  # draft tokens a speculative step proposes at most
 MAX_LEADING_STEPS = 12  # a fixed leading example longer than this is left out
 DELAY_CYCLES = 2_000_000  # long enough that an unsynchronised copy stream visibly lags behind
 # Which stream a delay holds back: every one (what shrinking tends to), or one of the first three a
-# step uses (a compute, a copy and an output stream cover the runners seen so far).
+# step uses (a compute, a copy and an output stream cover the runners seen so far; the harness
+# takes it modulo the streams a runner's earlier delayed steps met, `stream_delays.StreamsMet`).
 HELD_STREAMS = (None, 0, 1, 2)
 # What a delayed step that is not half of a pipelined pair makes late: its copies, or the host
 # (a copy issued then overwritten on the host within the step). Its computation only matters to

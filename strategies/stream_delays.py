@@ -72,7 +72,11 @@ stays hidden. A download on an output stream that the host reads after waiting f
 on the other stream lasts the hold, and the download's hold runs meanwhile. So both scopes take
 `held_stream`: None holds back every stream; k holds back only the k-th distinct stream the step
 delays work on (counted from 0 in the order the step first queues such work there: the stream a
-`wait_stream` records on, a copy stream, an output stream), and queues no sleep on any other.
+`wait_stream` records on, a copy stream, an output stream), and queues no sleep on any other. A
+runner's steps use the same few streams, and a k past them would hold back nothing (on a runner
+with one stream, two of the three streams drawn). So the scopes take a `StreamsMet` shared across
+a runner's steps: it keeps the most streams any earlier scope met, and k is taken modulo that
+count where it has one. A step that meets more streams than any before it counts k as given.
 
 The host late instead: `landed_copies()` delays nothing and synchronizes the stream of every
 non-blocking copy between host memory and a cuda device right after issuing it (outside a capture),
@@ -123,17 +127,37 @@ def crossing_device(one: torch.device, other: torch.device) -> torch.device | No
     return one if one.type == "cuda" else other
 
 
+class StreamsMet:
+    """The most distinct streams any delayed scope given this count has met (0: none yet), for
+    the scopes of later steps of the same runner to take `held_stream` modulo (module
+    docstring)."""
+
+    def __init__(self) -> None:
+        self.most = 0
+
+    def held(self, held_stream: int | None) -> int | None:
+        """The place of the stream a scope holds back alone for `held_stream`."""
+        if held_stream is None or not self.most:
+            return held_stream
+        return held_stream % self.most
+
+
 @contextmanager
 def delayed_streams(
-    cycles: int, hold_cycles: int = 0, held_stream: int | None = None
+    cycles: int,
+    hold_cycles: int = 0,
+    held_stream: int | None = None,
+    met: StreamsMet | None = None,
 ) -> Iterator[None]:
     """Delay every asynchronous host copy and event record, and the work the block queues on a
     stream it enters (`with torch.cuda.stream(side):`), by a sleep kernel on its own stream while
     the block runs, `hold_cycles` long where that stream is not already held back, else `cycles`
-    long; with `held_stream`, only on the step's `held_stream`-th stream (module docstring).
-    Torch is as it was after the block, also when it raises."""
-    sleeps = _Sleeps("delayed_streams", cycles, hold_cycles, held_stream)
+    long; with `held_stream`, only on the step's `held_stream`-th stream, modulo the streams
+    earlier scopes given `met` met (module docstring). Torch is as it was after the block, also
+    when it raises."""
+    sleeps = _Sleeps("delayed_streams", cycles, hold_cycles, held_stream, met)
     with (
+        _counting_streams(sleeps),
         _counting_captures(sleeps.captures),
         _delayed_event_records(sleeps),
         _noting_entered_streams(sleeps),
@@ -155,16 +179,20 @@ def landed_copies() -> Iterator[None]:
 
 @contextmanager
 def delayed_compute(
-    cycles: int, hold_cycles: int = 0, held_stream: int | None = None
+    cycles: int,
+    hold_cycles: int = 0,
+    held_stream: int | None = None,
+    met: StreamsMet | None = None,
 ) -> Iterator[None]:
     """Delay the block's computation: a sleep kernel on the current stream on entry (the eager
     kernels queued after it wait for it) and ahead of every `torch.cuda.CUDAGraph.replay` on the
     stream it replays on, as long as `delayed_streams`'s and on the same streams; copies and
     event records are not delayed. Torch is as it was after the block, also when it raises."""
-    sleeps = _Sleeps("delayed_compute", cycles, hold_cycles, held_stream)
+    sleeps = _Sleeps("delayed_compute", cycles, hold_cycles, held_stream, met)
     sleeps.on(None)
     # None: the current stream, which the graph replays on.
     with (
+        _counting_streams(sleeps),
         _counting_captures(sleeps.captures),
         _sleeping_before(torch.cuda.CUDAGraph, "replay", sleeps, lambda graph: None),
     ):
@@ -177,7 +205,12 @@ class _Sleeps:
     the scope's `held_stream`-th."""
 
     def __init__(
-        self, scope: str, cycles: int, hold_cycles: int, held_stream: int | None = None
+        self,
+        scope: str,
+        cycles: int,
+        hold_cycles: int,
+        held_stream: int | None = None,
+        met: StreamsMet | None = None,
     ) -> None:
         if cycles < 1:
             raise ValueError(f"{scope}(cycles={cycles}): cycles must be >= 1")
@@ -186,13 +219,18 @@ class _Sleeps:
         if held_stream is not None and held_stream < 0:
             raise ValueError(f"{scope}(held_stream={held_stream}): held_stream must be >= 0")
         self.cycles, self.hold = cycles, max(cycles, hold_cycles)
-        self.held_stream = held_stream
+        self.met = StreamsMet() if met is None else met
+        self.held_stream = self.met.held(held_stream)
         self._order: dict[Any, int] = {}  # stream -> its place among the scope's streams
         self._holding: dict[Any, Any] = {}  # stream -> an event past its last long sleep
         # Streams the block entered that no operation was queued on since (`entered_stream`).
         self.entered: set[Any] = set()
         self.captures = _Captures()
         self._busy = threading.local()  # set while `on` runs: its own stream switches
+
+    def streams_met(self) -> int:
+        """The distinct streams the scope delayed work on or held back so far."""
+        return len(self._order)
 
     def entered_stream(self, stream: Any) -> None:
         """The block made `stream` current (`with torch.cuda.stream(stream):`): the first
@@ -231,6 +269,16 @@ class _Sleeps:
             return
         _sleep_on(stream, self.hold)
         self._holding[resolved] = _passed(resolved)
+
+
+@contextmanager
+def _counting_streams(sleeps: _Sleeps) -> Iterator[None]:
+    """On leaving the block, also when it raises, the streams `sleeps` met counted into its
+    `StreamsMet`."""
+    try:
+        yield
+    finally:
+        sleeps.met.most = max(sleeps.met.most, sleeps.streams_met())
 
 
 def _noting_entered_streams(sleeps: _Sleeps) -> AbstractContextManager[None]:

@@ -20,6 +20,7 @@ from pytest_graphmode.contract import Batch, TargetSpec, slot_major
 from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.strategies.plans import Stress
 from pytest_graphmode.strategies.stream_delays import (
+    StreamsMet,
     delayed_compute,
     delayed_streams,
     landed_copies,
@@ -118,19 +119,20 @@ def delay(backend: Backend, stress: Stress) -> None:
 
 
 def delayed_step(
-    backend: Backend, stress: Stress, hold_cycles: int = 0
+    backend: Backend, stress: Stress, hold_cycles: int = 0, met: StreamsMet | None = None
 ) -> AbstractContextManager[None]:
     """The scope to run the stressed twin's step in: on cuda with `stress.delay_cycles`, every
     asynchronous host copy and event record lands late, or the step's eager kernels and graph
     replays where `stress.late` says "compute", by at least `hold_cycles` where no earlier sleep
     holds their stream back, on every stream or on the step's `stress.held_stream`-th alone
-    (`stream_delays`); with `late="host"` every asynchronous copy between host and device lands
-    before the host goes on instead (`landed_copies`); anywhere else nothing is entered at all, so
-    an unstressed step pays nothing."""
+    (`stream_delays`; `met`, the streams the runner's earlier delayed steps met, takes the held
+    stream modulo their count); with `late="host"` every asynchronous copy between host and
+    device lands before the host goes on instead (`landed_copies`); anywhere else nothing is
+    entered at all, so an unstressed step pays nothing."""
     if not stressed_timing(backend, stress):
         return nullcontext()
     if stress.late == "host":
         return landed_copies()
     if stress.late == "compute":
-        return delayed_compute(stress.delay_cycles, hold_cycles, stress.held_stream)
-    return delayed_streams(stress.delay_cycles, hold_cycles, stress.held_stream)
+        return delayed_compute(stress.delay_cycles, hold_cycles, stress.held_stream, met)
+    return delayed_streams(stress.delay_cycles, hold_cycles, stress.held_stream, met)

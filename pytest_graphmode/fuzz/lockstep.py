@@ -66,6 +66,7 @@ from pytest_graphmode.strategies.idle_blocks import (
     unwritten_slots,
 )
 from pytest_graphmode.strategies.plans import Reset, Stress
+from pytest_graphmode.strategies.stream_delays import StreamsMet
 
 Event = Batch | Stress | Reset
 
@@ -172,6 +173,8 @@ class Lockstep:
         self._saved: list[dict[str, torch.Tensor]] = []
         # Measured on cuda only, the one backend whose delays it sizes.
         self.host_times = HostTimes(measure=self.backend.name == "cuda")
+        # The streams the graph twin's delayed steps met: a held stream past them is taken modulo.
+        self.streams_met = StreamsMet()
         try:
             self.graph, self.eager = self._make_pair()
             self.clean = self._make("graph")
@@ -395,7 +398,7 @@ class Lockstep:
         hold = 0
         if delayed:
             hold = self.host_times.hold_cycles(self.backend.device, outlast or [batch])
-        with stressors.delayed_step(self.backend, stress, hold):
+        with stressors.delayed_step(self.backend, stress, hold, self.streams_met):
             if stress.weight_seed is not None:
                 self.graph.update_weights(stress.weight_seed)
             if stressors.stressed_timing(self.backend, stress):

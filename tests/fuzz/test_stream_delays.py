@@ -25,6 +25,7 @@ from pytest_graphmode.fuzz import replay
 from pytest_graphmode.strategies import stream_delays, stressors
 from pytest_graphmode.strategies.plans import Stress
 from pytest_graphmode.strategies.stream_delays import (
+    StreamsMet,
     async_copy_device,
     delayed_compute,
     delayed_streams,
@@ -359,7 +360,7 @@ def _open_scopes(monkeypatch) -> list[Stress]:
     open_scopes: list[Stress] = []
 
     @contextmanager
-    def scope(backend: Any, stress: Stress, hold_cycles: int = 0) -> Any:
+    def scope(backend: Any, stress: Stress, hold_cycles: int = 0, met: Any = None) -> Any:
         open_scopes.append(stress)
         try:
             yield
@@ -567,6 +568,66 @@ def test_a_held_stream_the_step_never_reaches_delays_nothing(sleeps, held, monke
     with delayed_compute(13, hold_cycles=1300, held_stream=1):
         torch.cuda.CUDAGraph.replay("graph")
     assert sleeps == []
+
+
+def test_a_held_stream_past_the_streams_earlier_steps_met_is_taken_modulo_their_count(
+    sleeps, held, monkeypatch
+):
+    # One stream, as a runner that queues everything on its current stream: the held streams 1
+    # and 2 a schedule draws would otherwise hold back nothing.
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: None)
+    met = StreamsMet()
+    with delayed_compute(13, held_stream=1, met=met):
+        torch.cuda.CUDAGraph.replay("graph")  # the first step: nothing met yet, nothing held
+    assert sleeps == [] and met.most == 1
+    with delayed_compute(13, held_stream=1, met=met):
+        torch.cuda.CUDAGraph.replay("graph")
+    assert sleeps == [(None, 13), (None, 13)]
+
+
+def test_a_step_meeting_more_streams_counts_them_and_keeps_earlier_places(
+    sleeps, held, monkeypatch
+):
+    monkeypatch.setattr(torch.cuda.Event, "record", lambda event, stream=None: None)
+    met = StreamsMet()
+    with FakeTensorMode():
+        device_tensor, host = torch.empty(4, device="cuda"), torch.empty(4)
+        with delayed_streams(7, held_stream=0, met=met):
+            host.copy_(device_tensor, non_blocking=True)
+            torch.cuda.Event.record("event", "copy stream")
+        assert met.most == 2
+        with delayed_streams(7, held_stream=1, met=met):  # below the count: as given
+            host.copy_(device_tensor, non_blocking=True)
+            torch.cuda.Event.record("event", "copy stream")
+            torch.cuda.Event.record("event", "output stream")
+        assert met.most == 3
+        with delayed_streams(7, held_stream=4, met=met):  # 4 modulo 3: the copy stream
+            host.copy_(device_tensor, non_blocking=True)
+            torch.cuda.Event.record("event", "copy stream")
+    current = ("current", CUDA)
+    assert sleeps == [(current, 7), ("copy stream", 7), ("copy stream", 7)]
+
+
+def test_the_streams_a_step_met_are_counted_when_it_raises(sleeps, held):
+    met = StreamsMet()
+    with pytest.raises(RuntimeError, match="step failed"), delayed_compute(13, met=met):
+        raise RuntimeError("step failed")
+    assert met.most == 1
+
+
+def test_every_delayed_step_of_the_graph_twin_shares_one_count_of_streams(monkeypatch):
+    mets: list[Any] = []
+
+    @contextmanager
+    def scope(backend: Any, stress: Stress, hold_cycles: int = 0, met: Any = None) -> Any:
+        mets.append(met)
+        yield
+
+    monkeypatch.setattr(stressors, "delayed_step", scope)
+    prefill = Batch((Request(0, (1, 2), 0, (1,)),))
+    decode = Batch((Request(0, (3,), 2, (1,)),))
+    replay([prefill, Stress(delay_cycles=1000), decode], factory=ToyTarget, backend="sim")
+    assert len(mets) == 2 and isinstance(mets[0], StreamsMet) and mets[0] is mets[1]
 
 
 def test_a_held_stream_without_a_hold_sleeps_the_delay(sleeps, held):
