@@ -538,11 +538,16 @@ def first_partial_bucket(spec: TargetSpec) -> list[StepPlan]:
     With n = min(4, the most requests a step may hold): n - 1 requests with one-token prompts are
     admitted and decode together (a graph of n rows captured for n - 1 of them, with captured sizes
     1, 2, 4, ...); the n-th request is admitted (sampled, where the spec samples) and the n decode
-    together, on that graph; then n - 1 of them again, rows rotated. A value the runner read on the
-    host at capture (the rows a kernel appends to the cache, whether any row samples) replays for
-    the full batch as it was for the partial one, and a padding row the runner does not reset
-    keeps the full batch's last row. A random schedule seldom grows a batch within one captured
-    size, with the batch it was captured for as its first.
+    together, on that graph; then n - 1 of them again, rows rotated, in two steps. A value the
+    runner read on the host at capture (the rows a kernel appends to the cache, whether any row
+    samples) replays for the full batch as it was for the partial one, and a padding row the
+    runner does not reset keeps the full batch's last row. The second of the two steps continues
+    the first (the same requests in the same rows, a token further): a runner that advances a
+    continuing batch's inputs on the device instead of preparing them on the host (multi-step
+    decoding, a step that overlaps the next one's preparation) advances the padding row too,
+    from the full batch's stale row, only there. A random schedule seldom grows a batch within one
+    captured size, with the batch it was captured for as its first, and seldom continues a batch
+    that shrank within one.
 
     Where a step may hold more requests than the largest captured size, more one-token requests
     then join and all of them decode together, one request past that size: a batch that no
@@ -559,6 +564,7 @@ def first_partial_bucket(spec: TargetSpec) -> list[StepPlan]:
         StepPlan(kind="decode", rows=n - 1),
         StepPlan(kind="prefill", rows=1, arrivals=(sampled,)),
         StepPlan(kind="decode", rows=n),
+        StepPlan(kind="decode", rows=n - 1, rotate=1),
         StepPlan(kind="decode", rows=n - 1, rotate=1),
         *_past_the_largest_graph(spec, live=n),
     ]

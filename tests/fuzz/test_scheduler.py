@@ -263,12 +263,16 @@ def test_the_partial_bucket_schedule_grows_a_batch_within_one_captured_size(spec
     assert all(batch_problems(b, spec) == [] for b in batches)
     n = min(4, spec.max_num_reqs)
     rows = [len(b.requests) for b in batches]
-    assert rows == [n - 1, n - 1, 1, n, n - 1], rows
-    # the full batch is the partial one's requests and one more, and the last is padded again
-    partial, joined, full, padded = batches[1], batches[2], batches[3], batches[4]
+    # the tight cache holds the next blocks of only two requests, which the last step runs
+    assert rows == [n - 1, n - 1, 1, n, n - 1, n - 1 if spec is not TIGHT else 2], rows
+    # the full batch is the partial one's requests and one more, and the last two are padded again
+    partial, joined, full, padded, continued = batches[1:6]
     ids = [r.req_id for r in partial.requests]
     assert [r.req_id for r in full.requests] == [*ids, joined.requests[0].req_id]
     assert set(r.req_id for r in padded.requests) < set(r.req_id for r in full.requests)
+    if spec is not TIGHT:  # the last continues the one before: the same rows, a token further
+        assert [r.req_id for r in continued.requests] == [r.req_id for r in padded.requests]
+        assert [r.context_len for r in continued.requests] == [r.seq_len for r in padded.requests]
     assert all(len(r.tokens) == 1 for b in batches[1:] for r in b.requests if r.context_len)
     sampled = joined.requests[0].seed is not None
     assert sampled == ("sampling" in spec.features)
@@ -280,12 +284,12 @@ def test_the_partial_bucket_schedule_ends_one_request_past_the_largest_captured_
     events = compile_schedule(past, schedules_module.first_partial_bucket(past), seed=0)
     batches = [e for e in events if isinstance(e, Batch)]
     assert all(batch_problems(b, past) == [] for b in batches)
-    assert [len(b.requests) for b in batches] == [3, 3, 1, 4, 3, 1, 5]
+    assert [len(b.requests) for b in batches] == [3, 3, 1, 4, 3, 3, 1, 5]
     last = batches[-1]
     assert all(len(r.tokens) == 1 and r.context_len for r in last.requests)  # a decode batch
-    # where the cache cannot hold them all, the schedule stops after the rotated batch
+    # where the cache cannot hold them all, the schedule stops after the rotated batches
     tight = dataclasses.replace(past, num_blocks=5, max_blocks_per_req=2)
-    assert len(schedules_module.first_partial_bucket(tight)) == 5
+    assert len(schedules_module.first_partial_bucket(tight)) == 6
 
 
 def test_the_partial_bucket_schedule_is_empty_where_a_step_holds_one_request():
