@@ -251,6 +251,15 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # the verify step's flat custom mask built for the real requests only, its offsets covering
     # the graph's padding rows: a padded replay reads past the mask (an exception on sim)
     "verify_tree_mask_unpadded": "replay_matches_eager",
+    # a graph's padding rows (and forking parents) gather sequence slot 0's sibling table, not the
+    # dummy slot's: they write their keys into a live parent's shared prompt block
+    "sibling_slot_gather": "replay_matches_eager",
+    # a logits processor's per-request parameters consumed once per request over every token row
+    # of a verify step: a request's last row takes another request's banned ids, or none
+    "spec_verify_processor_params": "company_independent",
+    # multi-step decoding advances every row of the graph on the device, padding rows too: from a
+    # window's second step a padding row writes a block of whoever last held its row
+    "multi_step_padded_advance": "kv_writes_confined",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
