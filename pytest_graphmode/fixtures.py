@@ -121,6 +121,8 @@ class GraphmodeFuzz:
                 cpu_threads=run.cpu_threads,
             )
         except BaseException as ended:
+            if stats.first_failure_check is not None:
+                stats.first_failure_campaign = label
             # What ran until the failure, an error or Ctrl-C belongs in the summary and report.
             summary_of(self._config).add_campaign(stats)
             if isinstance(ended, TargetError):  # found by an isolated campaign's child

@@ -126,9 +126,10 @@ def _first_failure_line(stats: CampaignStats) -> str:
         shrunk = f"stopped at its {stats.shrink_budget_seconds or 0.0:g} s budget"
     else:
         shrunk = "finished"
+    found_in = "" if stats.first_failure_campaign is None else f" of {stats.first_failure_campaign}"
     return (
-        f"first failure: {stats.first_failure_check} at example {stats.first_failure_example} "
-        f"after {stats.first_failure_seconds or 0.0:.1f} s; shrinking {shrunk} after "
+        f"first failure: {stats.first_failure_check} at example {stats.first_failure_example}"
+        f"{found_in} after {stats.first_failure_seconds or 0.0:.1f} s; shrinking {shrunk} after "
         f"{stats.shrink_seconds:.1f} s"
     )
 

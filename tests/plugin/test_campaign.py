@@ -209,8 +209,8 @@ def test_summary_lists_the_failure(broken_run: Run) -> None:
             "  FAILED replay_matches_eager at step 0 (example seed *): graphmode check*",
             "  (run a failure's replay snippet to reproduce it alone, or --graphmode-seed=1 to "
             "rerun every campaign; the example seed is the one in its snippet)",
-            "first failure: replay_matches_eager at example * after * s; shrinking finished "
-            "after * s",
+            "first failure: replay_matches_eager at example * of campaign after * s; shrinking "
+            "finished after * s",
             "what the checks prove:",
             "  replay_matches_eager: Graph logits match eager within tolerance*",
             "(-v explains every check)",

@@ -112,7 +112,8 @@ def test_the_mutants_failure_is_announced_reported_and_summarised(mutant_run: Ru
             rf"checks run: .*{check}: [1-9]\d*.*",
             r"failures: 1",
             rf"  FAILED {check} at step \d+ .*",
-            rf"first failure: {check} at example [1-9]\d* after .* s; shrinking .* after .* s",
+            rf"first failure: {check} at example [1-9]\d* of campaign after .* s; shrinking .* "
+            r"after .* s",
         ]
     )
 
@@ -131,6 +132,7 @@ def test_the_suites_later_campaigns_are_skipped_naming_the_failure(mutant_run: R
 def test_the_report_keeps_the_counts_and_the_first_failure(mutant_run: Run) -> None:
     report = mutant_run.report
     assert report["first_failure_check"] == buffer_rebound.EXPECTED_CHECK
+    assert report["first_failure_campaign"] == "campaign"  # the suite's first, not a pinned one
     first = report["first_failure_example"]
     assert isinstance(first, int) and 1 <= first <= report["examples"]  # type: ignore[operator]
     assert report["steps"] and report["checks_run"]
@@ -186,7 +188,7 @@ def test_twins_that_abort_while_made_are_made_in_a_child_only(
         [
             # no example seed: no example had started
             "  FAILED no_device_fault before step 0 (when the twins were made): graphmode check*",
-            "first failure: no_device_fault at example 0 after *",
+            "first failure: no_device_fault at example 0 of campaign after *",
             "  no_device_fault: The device never faulted and the campaign's process never died*",
         ]
     )
