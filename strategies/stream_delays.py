@@ -75,8 +75,10 @@ delays work on (counted from 0 in the order the step first queues such work ther
 `wait_stream` records on, a copy stream, an output stream), and queues no sleep on any other. A
 runner's steps use the same few streams, and a k past them would hold back nothing (on a runner
 with one stream, two of the three streams drawn). So the scopes take a `StreamsMet` shared across
-a runner's steps: it keeps the most streams any earlier scope met, and k is taken modulo that
-count where it has one. A step that meets more streams than any before it counts k as given.
+a runner's steps (the harness keeps one per phase: an eager prefill may queue on one stream where
+a replayed decode queues on three): it keeps the most streams any earlier scope met, and k is
+taken modulo that count where it has one. A step that meets more streams than any before it
+counts k as given.
 
 The host late instead: `landed_copies()` delays nothing and synchronizes the stream of every
 non-blocking copy between host memory and a cuda device right after issuing it (outside a capture),

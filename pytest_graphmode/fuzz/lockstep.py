@@ -173,8 +173,11 @@ class Lockstep:
         self._saved: list[dict[str, torch.Tensor]] = []
         # Measured on cuda only, the one backend whose delays it sizes.
         self.host_times = HostTimes(measure=self.backend.name == "cuda")
-        # The streams the graph twin's delayed steps met: a held stream past them is taken modulo.
-        self.streams_met = StreamsMet()
+        # The streams the graph twin's delayed steps of each phase met: a held stream past them is
+        # taken modulo. Per phase: an eager prefill may queue on one stream where a replayed
+        # decode queues on three, and the most of all phases would leave the prefill's held 1
+        # and 2 holding nothing, as before.
+        self.streams_met: dict[str, StreamsMet] = {}
         try:
             self.graph, self.eager = self._make_pair()
             self.clean = self._make("graph")
@@ -398,7 +401,8 @@ class Lockstep:
         hold = 0
         if delayed:
             hold = self.host_times.hold_cycles(self.backend.device, outlast or [batch])
-        with stressors.delayed_step(self.backend, stress, hold, self.streams_met):
+        met = self.streams_met.setdefault(batch.phase, StreamsMet())
+        with stressors.delayed_step(self.backend, stress, hold, met):
             if stress.weight_seed is not None:
                 self.graph.update_weights(stress.weight_seed)
             if stressors.stressed_timing(self.backend, stress):

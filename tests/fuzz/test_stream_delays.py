@@ -615,7 +615,7 @@ def test_the_streams_a_step_met_are_counted_when_it_raises(sleeps, held):
     assert met.most == 1
 
 
-def test_every_delayed_step_of_the_graph_twin_shares_one_count_of_streams(monkeypatch):
+def test_the_graph_twins_delayed_steps_of_one_phase_share_one_count_of_streams(monkeypatch):
     mets: list[Any] = []
 
     @contextmanager
@@ -625,9 +625,10 @@ def test_every_delayed_step_of_the_graph_twin_shares_one_count_of_streams(monkey
 
     monkeypatch.setattr(stressors, "delayed_step", scope)
     prefill = Batch((Request(0, (1, 2), 0, (1,)),))
-    decode = Batch((Request(0, (3,), 2, (1,)),))
-    replay([prefill, Stress(delay_cycles=1000), decode], factory=ToyTarget, backend="sim")
-    assert len(mets) == 2 and isinstance(mets[0], StreamsMet) and mets[0] is mets[1]
+    decodes = [Batch((Request(0, (t,), n, (1,)),)) for t, n in ((3, 2), (4, 3))]
+    replay([prefill, Stress(delay_cycles=1000), *decodes], factory=ToyTarget, backend="sim")
+    assert len(mets) == 3 and all(isinstance(met, StreamsMet) for met in mets)
+    assert mets[1] is mets[2] and mets[0] is not mets[1]  # the decodes' count, the prefill's
 
 
 def test_a_held_stream_without_a_hold_sleeps_the_delay(sleeps, held):
