@@ -160,9 +160,10 @@ def run_campaign(
     prefill then a replay and two replays (`first_pair`), then a graph replay paired with an eager
     prefill, a weight update before replays, the longest context and a speculative step
     (`first_phase_change`), then a graph captured with a padding row replaying a full batch and a
-    padded one twice, the second continuing the first (`first_partial_bucket`), then a request leaving the first row while a later one goes
-    on to start a new block and sample (`first_front_departure`), then a batch shrinking within its
-    graph as its queries grow, its padding rows following a larger batch's (`first_stale_tail`),
+    padded one twice, the second continuing the first (`first_partial_bucket`), then a request
+    leaving the first row while a later one goes on to start a new block and sample
+    (`first_front_departure`), then a batch shrinking within its graph as its queries grow, its
+    padding rows following a larger batch's (`first_stale_tail`),
     then three requests alone on one graph in turn, each with other sampling values and adapter, a
     new request listed before a continuing one, and short then long queries on one padded size
     (`first_handover`), then a decode beside a prefill three times, each delayed on cuda with one
@@ -355,17 +356,16 @@ def _after_leading_examples(chosen: hypothesis.settings, leading: int) -> hypoth
 
 
 LEADING = (
-    "shrinking skipped: this is one of the campaign's leading examples, fixed schedules it runs"
-    " before any drawn one (the simplest pipelined pairs, a prefill then a replay and two "
+    "shrinking skipped: this is one of the campaign's leading examples, fixed schedules it runs "
+    "before any drawn one (the simplest pipelined pairs, a prefill then a replay and two "
     "replays; a replay paired with a prefill, a weight update, the longest context and a "
-    "speculative step; a graph captured with a padding row replaying a full batch, then a padded "
-    "one twice; a request "
-    "leaving the first row while a later one goes on; a batch shrinking within its graph as its"
-    " queries grow; requests alone on one graph in turn, with other sampling values and "
-    "adapters, then a new request listed first and a query growing on one padded size; a decode "
-    "beside a prefill with one stream held back alone in turn; a speculative step with more "
-    "tokens than the largest graph; a graph first captured for long contexts replaying a short "
-    "row; a preempted request coming back and decoding on a graph), "
+    "speculative step; a graph captured with a padding row replaying a full batch, then a "
+    "padded one twice; a request leaving the first row while a later one goes on; a batch "
+    "shrinking within its graph as its queries grow; requests alone on one graph in turn, with "
+    "other sampling values and adapters, then a new request listed first and a query growing on "
+    "one padded size; a decode beside a prefill with one stream held back alone in turn; a "
+    "speculative step with more tokens than the largest graph; a graph first captured for long "
+    "contexts replaying a short row; a preempted request coming back and decoding on a graph), "
     "and its replay ends at the failing step"
 )
 
