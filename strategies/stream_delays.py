@@ -159,7 +159,6 @@ def delayed_streams(
     when it raises."""
     sleeps = _Sleeps("delayed_streams", cycles, hold_cycles, held_stream, met)
     with (
-        _counting_streams(sleeps),
         _counting_captures(sleeps.captures),
         _delayed_event_records(sleeps),
         _noting_entered_streams(sleeps),
@@ -172,8 +171,8 @@ def delayed_streams(
 def landed_copies() -> Iterator[None]:
     """Make every non-blocking copy between host memory and a cuda device that the block issues
     land before the block goes on: the stream it was issued on is synchronized right after it,
-    unless a capture is underway (module docstring). Nothing is delayed. Torch is as it was after the
-    block, also when it raises."""
+    unless a capture is underway (module docstring). Nothing is delayed. Torch is as it was after
+    the block, also when it raises."""
     captures = _Captures()
     with _counting_captures(captures), _AsyncCopies(None, landing=captures):
         yield
@@ -194,7 +193,6 @@ def delayed_compute(
     sleeps.on(None)
     # None: the current stream, which the graph replays on.
     with (
-        _counting_streams(sleeps),
         _counting_captures(sleeps.captures),
         _sleeping_before(torch.cuda.CUDAGraph, "replay", sleeps, lambda graph: None),
     ):
@@ -230,10 +228,6 @@ class _Sleeps:
         self.captures = _Captures()
         self._busy = threading.local()  # set while `on` runs: its own stream switches
 
-    def streams_met(self) -> int:
-        """The distinct streams the scope delayed work on or held back so far."""
-        return len(self._order)
-
     def entered_stream(self, stream: Any) -> None:
         """The block made `stream` current (`with torch.cuda.stream(stream):`): the first
         operation queued on it sleeps first (`first_on_entered`). Not the scope's own switches."""
@@ -263,6 +257,7 @@ class _Sleeps:
             return
         resolved = _resolved(stream)
         place = self._order.setdefault(resolved, len(self._order))
+        self.met.most = max(self.met.most, place + 1)  # for later scopes: this one's is set
         if self.held_stream is not None and place != self.held_stream:
             return
         held = self._holding.get(resolved)
@@ -271,16 +266,6 @@ class _Sleeps:
             return
         _sleep_on(stream, self.hold)
         self._holding[resolved] = _passed(resolved)
-
-
-@contextmanager
-def _counting_streams(sleeps: _Sleeps) -> Iterator[None]:
-    """On leaving the block, also when it raises, the streams `sleeps` met counted into its
-    `StreamsMet`."""
-    try:
-        yield
-    finally:
-        sleeps.met.most = max(sleeps.met.most, sleeps.streams_met())
 
 
 def _noting_entered_streams(sleeps: _Sleeps) -> AbstractContextManager[None]:

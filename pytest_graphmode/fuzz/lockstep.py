@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import traceback
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -177,7 +178,7 @@ class Lockstep:
         # taken modulo. Per phase: an eager prefill may queue on one stream where a replayed
         # decode queues on three, and the most of all phases would leave the prefill's held 1
         # and 2 holding nothing, as before.
-        self.streams_met: dict[str, StreamsMet] = {}
+        self.streams_met: defaultdict[str, StreamsMet] = defaultdict(StreamsMet)
         try:
             self.graph, self.eager = self._make_pair()
             self.clean = self._make("graph")
@@ -401,8 +402,7 @@ class Lockstep:
         hold = 0
         if delayed:
             hold = self.host_times.hold_cycles(self.backend.device, outlast or [batch])
-        met = self.streams_met.setdefault(batch.phase, StreamsMet())
-        with stressors.delayed_step(self.backend, stress, hold, met):
+        with stressors.delayed_step(self.backend, stress, hold, self.streams_met[batch.phase]):
             if stress.weight_seed is not None:
                 self.graph.update_weights(stress.weight_seed)
             if stressors.stressed_timing(self.backend, stress):
