@@ -45,6 +45,9 @@ class CampaignStats:
     planned_examples: int = 0  # the example budget, for "N of M" (0: a time budget instead)
     time_budget_seconds: float | None = None  # no new example after this long (None: no limit)
     stopped_by_time_budget: bool = False
+    # The first line of a `HarnessError` that ended the campaign: the harness's own code raised,
+    # which is no finding about the runner and not among `failures`.
+    harness_error: str | None = None
 
     def merge(self, other: CampaignStats) -> CampaignStats:
         """A new object holding both campaigns' counts (neither input changes)."""
@@ -70,6 +73,7 @@ class CampaignStats:
             planned_examples=self.planned_examples + other.planned_examples,
             time_budget_seconds=_first_set(self.time_budget_seconds, other.time_budget_seconds),
             stopped_by_time_budget=self.stopped_by_time_budget or other.stopped_by_time_budget,
+            harness_error=self.harness_error or other.harness_error,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -90,6 +94,7 @@ class CampaignStats:
             "planned_examples": self.planned_examples,
             "time_budget_seconds": self.time_budget_seconds,
             "stopped_by_time_budget": self.stopped_by_time_budget,
+            "harness_error": self.harness_error,
         }
 
     @classmethod
@@ -124,6 +129,7 @@ class CampaignStats:
             planned_examples=int(data.get("planned_examples", 0)),
             time_budget_seconds=_optional(data.get("time_budget_seconds"), float),
             stopped_by_time_budget=bool(data.get("stopped_by_time_budget", False)),
+            harness_error=_optional(data.get("harness_error"), str),
         )
 
     def update_from(self, other: CampaignStats) -> None:

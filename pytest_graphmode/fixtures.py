@@ -127,6 +127,8 @@ class GraphmodeFuzz:
             summary_of(self._config).add_campaign(stats)
             if isinstance(ended, TargetError):  # found by an isolated campaign's child
                 pytest.fail(f"--graphmode-target={run.target}: {ended}", pytrace=False)
+            if stats.harness_error is not None:  # would end the next campaigns the same way
+                self._config.stash[FAILED_CAMPAIGN_KEY] = f"{label} ended in a harness error"
             if isinstance(ended, GraphmodeFailure):
                 failure = ended.failure
                 seeded = "" if failure.seed is None else f" (seed {failure.seed})"

@@ -61,6 +61,8 @@ def summary_lines(
         lines.append(f"  ({rerun}; the example seed is the one in its snippet)")
     if stats.first_failure_check is not None:
         lines.append(_first_failure_line(stats))
+    if stats.harness_error is not None:
+        lines.append(f"harness error (not a finding about the target): {stats.harness_error}")
     return lines
 
 

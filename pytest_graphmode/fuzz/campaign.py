@@ -33,6 +33,7 @@ from pytest_graphmode.fuzz.campaign_process import (
     torch_cpu_threads,
 )
 from pytest_graphmode.fuzz.checks import sim_refusal
+from pytest_graphmode.fuzz.escaped import HarnessError, HarnessErrorRaised
 from pytest_graphmode.fuzz.kept_twins import HistoryFailure, KeptTwins
 from pytest_graphmode.fuzz.registry import (
     NO_DEVICE_FAULT,
@@ -220,6 +221,8 @@ def run_campaign(
         except HistoryFailure as escaped:
             budget.failed(escaped.failed, unshrunk=escaped.unshrunk)
             raise
+        except HarnessError as error:
+            raise HarnessErrorRaised(error) from None
         except Exception as failed:
             if is_out_of_device_memory(failed) and not budget.found:
                 # Outside a step (a step's errors are its outcome): the device had no room for
@@ -261,6 +264,9 @@ def run_campaign(
         raise GraphmodeFailure(failure, stats) from None
     except DeviceMemoryExhausted as exhausted:
         raise exhausted.error from None
+    except HarnessErrorRaised as raised:
+        stats.harness_error = str(raised.error).splitlines()[0]
+        raise raised.error  # noqa: B904 - its cause, the exception raised, is already set
     finally:
         twins.close()
         budget.finish()

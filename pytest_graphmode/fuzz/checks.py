@@ -93,8 +93,10 @@ def replay_matches_eager(
     precision: torch.dtype | None = None,
 ) -> list[Violation]:
     """Graph logits match eager within tolerance (-inf, a masked token, on both or neither; never
-    NaN or +inf); tokens match where decidable. `precision`: the twin's `state_precision`, the
-    finest the logits can be (`tolerance.row_tolerance`)."""
+    NaN or +inf); tokens match where decidable; no twin raises on a legal batch, in its step or in
+    a method the harness calls around it. `precision`: the twin's `state_precision`, the finest
+    the logits can be (`tolerance.row_tolerance`). (What a method raised outside the step is
+    judged where it escapes: `Lockstep._fail_escaped`.)"""
     name = REPLAY_MATCHES_EAGER
     if graph.error or eager.error:
         if graph.error and eager.error:

@@ -31,7 +31,7 @@ import traceback
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NoReturn
 
 import torch
 
@@ -39,12 +39,13 @@ from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, GraphTarget, StepResult, TargetFactory, TargetSpec
 from pytest_graphmode.failure import MADE_TWINS, Failure, GraphmodeFailure
 from pytest_graphmode.fuzz import sampling_check
-from pytest_graphmode.fuzz.checks import Outcome
+from pytest_graphmode.fuzz.checks import REPLAY_MATCHES_EAGER, Outcome
 from pytest_graphmode.fuzz.construction import (
     construction_raised,
     made_twins_violations,
     state_not_live,
 )
+from pytest_graphmode.fuzz.escaped import harness_error, runner_call
 from pytest_graphmode.fuzz.host_times import HostTimes
 from pytest_graphmode.fuzz.packed_state import packed_state_as_bytes
 from pytest_graphmode.fuzz.registry import (
@@ -374,18 +375,51 @@ class Lockstep:
         step = 0
         while step < len(steps):
             first = steps[step]
-            if step + 1 < len(steps) and steps[step + 1].stress.pipelined:
-                kept = self._run_pair(step, first, steps[step + 1], previous, kept, events)
-                previous = steps[step + 1].batch
-                step += 2
-                continue
-            held = self._stress(first.stress, previous, first.batch, self._rng(step))
-            violations, kept = self._check_step(step, first.batch, kept, first.stress)
-            held.clear()  # churned tensors live exactly across the step
+            try:
+                if step + 1 < len(steps) and steps[step + 1].stress.pipelined:
+                    kept = self._run_pair(step, first, steps[step + 1], previous, kept, events)
+                    previous = steps[step + 1].batch
+                    step += 2
+                    continue
+                held = self._stress(first.stress, previous, first.batch, self._rng(step))
+                violations, kept = self._check_step(step, first.batch, kept, first.stress)
+                held.clear()  # churned tensors live exactly across the step
+            except GraphmodeFailure:
+                raise
+            except Exception as error:
+                if is_device_fault(error) or is_out_of_device_memory(error):
+                    raise  # the campaign reports these itself (isolation, DeviceMemoryExhausted)
+                self._fail_escaped(error, step, first.batch, events[: first.index + 1])
             if violations:
                 self._fail(violations[0], step, first.batch, events[: first.index + 1])
             previous = first.batch
             step += 1
+
+    def _fail_escaped(
+        self, error: Exception, step: int, batch: Batch, events: Sequence[Batch | Stress]
+    ) -> NoReturn:
+        """Raise what `error`, escaped from the harness's work around `step`, is (`escaped.py`):
+        a failure of `replay_matches_eager` where a runner method raised it (a runner's methods
+        must not raise on a legal schedule, outside its step no more than in it), else a
+        `HarnessError`."""
+        twins = {"graph": self.graph, "eager": self.eager, "clean": self.clean}
+        twins.update((name, twin) for name, (twin, _) in self.companies.items())
+        call = runner_call(error, twins)
+        if call is None:
+            snippet = replay_snippet(
+                self.replayed(events),
+                factory=self._factory,
+                backend=self._backend_name,
+                seed=self.twin_seed,
+            )
+            raise harness_error(error, f"at step {step} (seed {self.seed})", snippet) from error
+        whose = "the runner's" if call.twin is None else f"the {call.twin} twin's"
+        detail = (
+            f"{call.twin or 'target'}_raised: {whose} {call.method} raised, called by the harness "
+            f"outside the step ({call.caller}); a runner's methods must not raise on a legal "
+            f"schedule:\n{''.join(traceback.format_exception(error))}"
+        )
+        self._fail(Violation(REPLAY_MATCHES_EAGER, detail), step, batch, events)
 
     def _graph_step(
         self, batch: Batch, stress: Stress, outlast: Sequence[Batch] | None = None
@@ -695,7 +729,7 @@ class Lockstep:
         batch: Batch,
         events: Sequence[Batch | Stress],
         pair: tuple[Batch, Batch] | None = None,
-    ) -> None:
+    ) -> NoReturn:
         """Raise the failure of `violation` at `step`; `pair`: the batches of the pipelined pair
         `step` belongs to (`step` is the pair's first or second step), both described."""
         snippet = replay_snippet(
