@@ -260,6 +260,10 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # multi-step decoding advances every row of the graph on the device, padding rows too: from a
     # window's second step a padding row writes a block of whoever last held its row
     "multi_step_padded_advance": "kv_writes_confined",
+    # the padding branch zeroes the full pool's write slots but not the sliding-window pool's: a
+    # padded replay's padding rows write the window layer's keys into the slots the buffer last
+    # held (a request of a larger batch before), or wherever the poisoned buffer points
+    "swa_loc_padding_stale": ("kv_writes_confined", "replay_matches_eager"),
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
@@ -385,6 +389,9 @@ ON_CUDA["flashinfer_kv_layout"] = ("replay_matches_eager", "kv_writes_confined",
 ON_CUDA["memory_profiled_capture"] = ("replay_matches_eager", "no_device_fault")
 # A poisoned window index is an exception on sim and a device-side assert on a GPU.
 ON_CUDA["alternating_window_layers"] = ("replay_matches_eager", "no_device_fault")
+# A poisoned window write slot past the pool is an exception on sim and a device-side assert on a
+# GPU.
+ON_CUDA["swa_loc_padding_stale"] = ("kv_writes_confined", "replay_matches_eager", "no_device_fault")
 LEADING = len(campaign_module._LEADING)  # the campaign's fixed leading examples
 # vLLM's start-up profiling asserts that the GPU's free memory did not rise while it profiled,
 # which another process freeing memory on the same GPU breaks: on a GPU shared by eight pytest
