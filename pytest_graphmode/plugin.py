@@ -269,10 +269,14 @@ def pytest_terminal_summary(
 def _check_descriptions() -> dict[str, str]:
     """Every check's name -> the first sentence of its oracle's docstring, in registry order;
     for the checks no oracle function judges, what they see."""
-    from pytest_graphmode.fuzz import rank_checks
+    from pytest_graphmode.fuzz import rank_checks, sampling_check
     from pytest_graphmode.fuzz.registry import CHECKS, NO_DEVICE_FAULT, ORACLE_MODULES
 
     judged_elsewhere = {
+        # `sampling_independent`'s oracle, run on the greedy company twin under this name.
+        sampling_check.COMPANY_INDEPENDENT: "A request's logits and argmax do not depend on its "
+        "company, row or KV blocks, greedy or not (about half of the greedy requests run alone, "
+        "in reverse order, from other blocks)",
         NO_DEVICE_FAULT: "The device never faulted and the campaign's process never died (an "
         "illegal memory access, a device-side assert, an abort), seen by the process that "
         "started it",

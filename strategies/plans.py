@@ -107,7 +107,11 @@ class StepPlan:
     `finish` / `preempt`: indices into the live requests (modulo their count) to retire or to
     preempt (blocks freed, the request recomputes from scratch later). `spec_k` draft tokens and
     `accepted` of them kept, for "spec" steps. `chunk`: largest prefill chunk. `rotate`: row order
-    offset, so a request moves between rows from step to step.
+    offset, so a request moves between rows from step to step. `uneven`: a "spec" step's rows
+    propose different draft counts, as a proposer that finds more for some requests than for
+    others does (n-gram matching, a draft model stopping early): its row i proposes
+    `(spec_k - i - rotate) mod (spec_k + 1)`, none included (a plain decode row among drafting
+    ones); else every row proposes `spec_k` (each within what its request and the step can hold).
     """
 
     kind: StepKind
@@ -120,6 +124,7 @@ class StepPlan:
     chunk: int = 4
     rotate: int = 0
     stress: Stress = Stress()
+    uneven: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in STEP_KINDS:

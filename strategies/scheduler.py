@@ -135,17 +135,21 @@ class BlockScheduler:
         for live in wanted:
             if len(rows) == limit or budget == 0:
                 break
-            row = self._shape(live, plan, budget)
+            row = self._shape(live, plan, budget, len(rows))
             if self._reserve(live, live.computed + row.query_len):
                 rows.append(row)
                 budget -= row.query_len
         return rows
 
-    def _shape(self, live: _Live, plan: StepPlan, budget: int) -> _Row:
+    def _shape(self, live: _Live, plan: StepPlan, budget: int, index: int) -> _Row:
+        """The query of `live` as the step's row `index`, within the step's token `budget`."""
         if live.decoding:
             drafts = 0
             if plan.kind == "spec" and "spec_decode" in self.spec.features:
-                drafts = max(0, min(plan.spec_k, self.capacity - len(live.tokens), budget - 1))
+                drafts = plan.spec_k
+                if plan.uneven:
+                    drafts = (plan.spec_k - index - plan.rotate) % (plan.spec_k + 1)
+                drafts = max(0, min(drafts, self.capacity - len(live.tokens), budget - 1))
             return _Row(live, 1 + drafts, drafts)
         chunk = plan.chunk if "prefill" in self.spec.features else 1
         return _Row(live, max(1, min(live.pending, chunk, budget)), 0)
@@ -169,7 +173,7 @@ class BlockScheduler:
             if other is not keeper:
                 self.allocator.free(other.block_ids)
                 other.block_ids, other.computed = [], 0
-        row = self._shape(keeper, plan, self.spec.max_num_tokens)
+        row = self._shape(keeper, plan, self.spec.max_num_tokens, 0)
         if not self._reserve(keeper, keeper.computed + row.query_len):
             raise RuntimeError("scheduler invariant broken: a lone request does not fit")
         return [row]

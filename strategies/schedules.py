@@ -371,6 +371,9 @@ def step_plans(
         chunk=draw(parts.chunk),
         rotate=draw(parts.rotate),
         stress=draw(parts.stress),
+        # Drawn last, and for speculative steps only: the draws of every other step stay as
+        # they were. Even shrinks first: the simpler schedule.
+        uneven=kind == "spec" and draw(st.booleans()),
     )
 
 
@@ -877,8 +880,18 @@ def first_tokens_past_the_largest_graph(spec: TargetSpec) -> list[StepPlan]:
     runner that decides whether a batch fits a graph by its request count alone (and not by its
     tokens) replays the largest graph with the tokens past it cut off. A random schedule seldom
     holds it: the draft count is drawn apart from the row count, and most speculative steps hold a
-    few rows. Empty without speculative decoding, where no such R and k fit a step's token budget
-    and request limit, or where the cache cannot hold the R requests."""
+    few rows.
+
+    Then, where the cache holds k more positions a request, the same R requests run one more
+    speculative step listed from the second admitted on, proposing k - 1 draft tokens down to
+    none and then k again (`StepPlan.uneven`), none accepted: rows whose draft counts differ, in
+    another order than the runner's rows may be. A runner that splits the step's flat logits into
+    requests by counts taken in one order while its rows are laid out in another reads a
+    neighbour's logits (vLLM PR 14645), which the twins share and only other company shows; a
+    random schedule draws such a step seldom: half of its speculative steps are even, and most
+    uneven ones hold one request or list their requests in the order the runner holds them.
+    Empty without speculative decoding, where no such R and k fit a step's token budget and
+    request limit, or where the cache cannot hold the R requests."""
     if "spec_decode" not in spec.features or not spec.capture_sizes:
         return []
     largest = spec.capture_sizes[-1]
@@ -892,13 +905,25 @@ def first_tokens_past_the_largest_graph(spec: TargetSpec) -> list[StepPlan]:
             and rows * _blocks(spec, positions) <= spec.num_blocks - 1
         )
         if fits:
-            return [
+            plans = [
                 StepPlan(kind="prefill", rows=rows, arrivals=(Arrival(prompt_len=1),) * rows),
                 StepPlan(kind="decode", rows=rows),
                 StepPlan(kind="spec", rows=rows, spec_k=drafts, accepted=drafts),
                 StepPlan(kind="decode", rows=rows),
             ]
+            if (
+                positions + drafts <= _capacity(spec)
+                and rows * _blocks(spec, positions + drafts) <= spec.num_blocks - 1
+            ):
+                plans.append(_uneven_drafts(rows, drafts))
+            return plans
     return []
+
+
+def _uneven_drafts(rows: int, drafts: int) -> StepPlan:
+    """A speculative step whose `rows` requests propose `drafts - 1` down to none, and then
+    `drafts` again, listed from the second admitted on (`rotate=1`), none accepted."""
+    return StepPlan(kind="spec", rows=rows, spec_k=drafts, accepted=0, rotate=1, uneven=True)
 
 
 def first_capture_on_long_contexts(spec: TargetSpec) -> list[StepPlan]:

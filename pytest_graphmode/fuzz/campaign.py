@@ -169,7 +169,8 @@ def run_campaign(
     new request listed before a continuing one, and short then long queries on one padded size
     (`first_handover`), then a decode beside a prefill three times, each delayed on cuda with one
     other stream held back alone (`first_stream_sweep`), then a speculative step with the request
-    count of a graph and more tokens than the largest (`first_tokens_past_the_largest_graph`), then,
+    count of a graph and more tokens than the largest, and one whose rows propose different draft
+    counts, listed in another order (`first_tokens_past_the_largest_graph`), then,
     on fresh twins, a graph first captured for two long contexts replaying a batch with a short row
     (`first_capture_on_long_contexts`), then decode steps on a graph delayed as the stream sweep's,
     with a request back from sitting out a step and then with more requests than the largest graph
@@ -370,7 +371,8 @@ LEADING = (
     "shrinking within its graph as its queries grow; requests alone on one graph in turn, with "
     "other sampling values and adapters, then a new request listed first and a query growing on "
     "one padded size; a decode beside a prefill with one stream held back alone in turn; a "
-    "speculative step with more tokens than the largest graph; a graph first captured for long "
+    "speculative step with more tokens than the largest graph, then one of uneven drafts; a "
+    "graph first captured for long "
     "contexts replaying a short row; a preempted request coming back and decoding on a graph), "
     "and its replay ends at the failing step"
 )

@@ -639,13 +639,20 @@ def test_a_speculative_step_of_a_graphs_request_count_goes_just_past_the_largest
     events = compile_schedule(spec, schedules_module.first_tokens_past_the_largest_graph(spec))
     batches = [e for e in events if isinstance(e, Batch)]
     assert all(batch_problems(b, spec) == [] for b in batches)
-    assert [b.num_reqs for b in batches] == [rows] * 4
+    assert [b.num_reqs for b in batches] == [rows] * 5
     speculative = batches[2]
     assert speculative.query_lens == (1 + drafts,) * rows
     largest = spec.capture_sizes[-1]
     assert largest < speculative.num_tokens <= spec.max_num_tokens
     # every draft was accepted: the decode after it starts past all of them
     assert [r.context_len for r in batches[3].requests] == [3 + drafts] * rows
+    # then the same requests listed from the second admitted on, proposing drafts - 1 down to
+    # none, then drafts again: rows whose draft counts differ, in another order than admitted
+    uneven = batches[4]
+    admitted = [r.req_id for r in batches[0].requests]
+    assert [r.req_id for r in uneven.requests] == admitted[1:] + admitted[:1]
+    assert uneven.query_lens == tuple(1 + (drafts - row - 1) % (drafts + 1) for row in range(rows))
+    assert len(set(uneven.query_lens)) > 1
 
 
 def test_the_tokens_past_the_largest_graph_need_speculative_decoding():
@@ -698,3 +705,20 @@ def test_boundary_draft_counts_put_a_speculative_step_at_or_just_past_a_capture_
                 for c in spec.capture_sizes
             )
     assert schedules_module.boundary_draft_counts(spec, 0) == []
+
+
+def test_an_uneven_speculative_step_gives_its_rows_different_draft_counts_none_included():
+    prompt = StepPlan(kind="prefill", rows=4, arrivals=(Arrival(prompt_len=1),) * 4)
+    even = StepPlan(kind="spec", rows=4, spec_k=3, accepted=0)
+    uneven = dataclasses.replace(even, uneven=True, rotate=2)
+    for plan, drafts in ((even, [3, 3, 3, 3]), (uneven, [1, 0, 3, 2])):
+        events = compile_schedule(SPEC, [prompt, StepPlan(kind="decode", rows=4), plan], seed=0)
+        spec_step = [e for e in events if isinstance(e, Batch)][-1]
+        assert batch_problems(spec_step, SPEC) == []
+        assert spec_step.query_lens == tuple(1 + d for d in drafts)
+
+
+def test_only_speculative_steps_are_drawn_uneven_and_even_is_the_simpler():
+    plans = st.lists(schedules_module.step_plans(SPEC), min_size=1, max_size=1)
+    assert find(plans, lambda p: p[0].uneven).pop().kind == "spec"
+    assert find(plans, lambda p: p[0].kind == "spec").pop().uneven is False

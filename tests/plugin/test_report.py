@@ -264,3 +264,12 @@ def test_a_fallback_cause_keeps_a_graph_key_whole() -> None:
         line
         == "fallback reasons: captured the graph keyed (N, N, N): the capture step ran eagerly: 2"
     )
+
+
+def test_every_check_has_a_description_in_the_glossary() -> None:
+    from pytest_graphmode.fuzz.registry import CHECKS
+    from pytest_graphmode.plugin import _check_descriptions
+
+    descriptions = _check_descriptions()
+    assert list(descriptions) == list(CHECKS)
+    assert [name for name, text in descriptions.items() if text == "(no description)"] == []

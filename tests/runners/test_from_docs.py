@@ -264,6 +264,10 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # padded replay's padding rows write the window layer's keys into the slots the buffer last
     # held (a request of a larger batch before), or wherever the poisoned buffer points
     "swa_loc_padding_stale": ("kv_writes_confined", "replay_matches_eager"),
+    # a speculative step's flat logits split into requests by draft counts taken in the batch's
+    # order while the rows are laid out in the persistent batch's: with uneven draft counts a row
+    # reads a neighbour's logits, on every twin alike, so only other company shows it
+    "spec_split_scheduler_order": ("company_independent", "sampling_independent"),
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
