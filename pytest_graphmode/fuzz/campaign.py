@@ -196,10 +196,10 @@ def run_campaign(
     # Under a time budget the example count is only a cap: "N of M" would say nothing.
     stats.planned_examples = 0 if seconds is not None else chosen.max_examples
     stats.time_budget_seconds = seconds
-    leading, fresh_at = (
+    leading, leading_names, fresh_at = (
         _leading_schedules(spec)
         if pipelined and hypothesis.Phase.explicit in chosen.phases
-        else ([], None)
+        else ([], [], None)
     )
     leading = leading[: chosen.max_examples]
     stats.shrink_budget_seconds = shrink_seconds
@@ -212,8 +212,9 @@ def run_campaign(
             raise CampaignStopped
         heap.catch_up()
         events = compile_schedule(spec, plans, seed=example_seed)
-        budget.leading = stats.examples < len(leading)  # explicit examples run first
-        fresh = budget.leading and stats.examples == fresh_at
+        # explicit examples run first
+        budget.leading = leading_names[stats.examples] if stats.examples < len(leading) else None
+        fresh = budget.leading is not None and stats.examples == fresh_at
         stats.examples += 1
         if on_example is not None:
             on_example(example_seed, events)
@@ -229,7 +230,7 @@ def run_campaign(
                 # Outside a step (a step's errors are its outcome): the device had no room for
                 # the twins or the harness's copies. No finding to shrink: the campaign ends.
                 raise DeviceMemoryExhausted(failed) from failed
-            budget.failed(failed, unshrunk=LEADING if budget.leading else None)
+            budget.failed(failed, unshrunk=LEADING if budget.leading is not None else None)
             raise
         finally:
             budget.report()
@@ -344,12 +345,15 @@ _LEADING: tuple[Callable[[TargetSpec], list[StepPlan]], ...] = (
 _ON_FRESH_TWINS = first_capture_on_long_contexts
 
 
-def _leading_schedules(spec: TargetSpec) -> tuple[list[list[StepPlan]], int | None]:
-    """The fixed schedules a campaign runs first, in order, an empty one left out; and the index
-    among them of the one that starts on fresh twins (None where that one is empty)."""
+def _leading_schedules(
+    spec: TargetSpec,
+) -> tuple[list[list[StepPlan]], list[str], int | None]:
+    """The fixed schedules a campaign runs first, in order, an empty one left out; their names
+    (the functions of `strategies.schedules` that make them); and the index among them of the one
+    that starts on fresh twins (None where that one is empty)."""
     made = [(make, plans) for make in _LEADING if (plans := make(spec))]
     fresh = next((i for i, (make, _) in enumerate(made) if make is _ON_FRESH_TWINS), None)
-    return [plans for _, plans in made], fresh
+    return [plans for _, plans in made], [make.__name__ for make, _ in made], fresh
 
 
 def _after_leading_examples(chosen: hypothesis.settings, leading: int) -> hypothesis.settings:
@@ -435,10 +439,10 @@ class ShrinkBudget:
         self._stats, self._started, self._limit, self._progress = stats, started, limit, progress
         self._found_at: float | None = None
         self._last_failure: Exception | None = None
-        # Whether the example running is one of the campaign's leading examples, which
-        # Hypothesis runs as explicit examples: a failure there is reported as found, never
-        # shrunk.
-        self.leading = False
+        # The name of the campaign's leading example running (None: a drawn one). Hypothesis
+        # runs them as explicit examples: a failure there is reported as found, never shrunk.
+        self.leading: str | None = None
+        self._found_in: str | None = None  # the leading example the first failure was found in
         self._unshrunk: str | None = None  # why the first failure is not shrunk, if it is not
         self._lock = threading.Lock()  # progress runs on the ticker thread too
 
@@ -465,6 +469,7 @@ class ShrinkBudget:
             return
         self._found_at = time.perf_counter()
         self._unshrunk = unshrunk
+        self._found_in = self.leading
         stats = self._stats
         stats.first_failure_seconds = self._found_at - self._started
         stats.first_failure_example = stats.examples
@@ -544,8 +549,9 @@ class ShrinkBudget:
             )
         else:
             line = f"shrinking finished in {took}"
+        which = "" if self._found_in is None else f" (the leading example {self._found_in})"
         found = (
-            f"first failing example: {stats.first_failure_example}, found after "
+            f"first failing example: {stats.first_failure_example}{which}, found after "
             f"{stats.first_failure_seconds or 0.0:.1f} s"
         )
         return dataclasses.replace(failure, message=f"{failure.message}\n{found}; {line}")

@@ -43,11 +43,11 @@ FRESH_EVERY = 8
 NEEDS_HISTORY = "shrinking skipped: the failure needs the examples before it on the same twins"
 NEEDS_WEIGHTS = (
     "shrinking skipped: the example started from weights an earlier example loaded, which the "
-    "drawn example does not hold; its snippet replays that weight update first"
+    "example alone does not hold; its snippet replays that weight update first"
 )
 NEEDS_TWIN_SEED = (
     "shrinking skipped: the failure needs twins made with the seed the kept twins were made with, "
-    "which the drawn example does not use"
+    "which the example alone does not use"
 )
 NOT_REPEATED_ON_FRESH_TWINS = (
     "shrinking skipped: the failure repeated neither alone nor after the examples before it, on "

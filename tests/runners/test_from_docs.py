@@ -268,6 +268,13 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # order while the rows are laid out in the persistent batch's: with uneven draft counts a row
     # reads a neighbour's logits, on every twin alike, so only other company shows it
     "spec_split_scheduler_order": ("company_independent", "sampling_independent"),
+    # the attention's cumulative key lengths built before the capture, from the warm-up's lengths,
+    # and dropped after it: every replay reads the freed (on sim, reported) or stale sums
+    "seqlen_built_outside_capture": "replay_matches_eager",
+    # padding dummies add their own tokens to the host part of the token staging, shifting the
+    # device-side (overlap) tokens by the padding: continuing rows on a padded graph read another
+    # row's token
+    "overlap_dummy_token_shift": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
@@ -343,6 +350,7 @@ ON_CUDA["side_stream_escapes_capture"] = ("replay_matches_eager", "no_device_fau
 ON_CUDA["cached_index_evicted"] = RACE_ON_CUDA
 ON_CUDA["workspace_resized"] = RACE_ON_CUDA
 ON_CUDA["piecewise_attention_out_fresh"] = RACE_ON_CUDA
+ON_CUDA["seqlen_built_outside_capture"] = RACE_ON_CUDA
 # The replaced staging goes back to the pinned allocator, which may hand it out again: the graph
 # reads what was there when it was replaced, or what the allocator's next user wrote.
 ON_CUDA["pinned_upload_in_capture"] = RACE_ON_CUDA

@@ -52,6 +52,7 @@ class _External:
     stride: tuple[int, ...]
     dtype: torch.dtype
     label: str
+    site: tuple[str, int]  # the runner's line whose operation the capture first saw it in
 
 
 @dataclass(slots=True)
@@ -226,8 +227,13 @@ class Program:
             what = "freed" if storage is None else "reallocated (resized)"
             raise UseAfterFreeError(
                 f"graph replay reads memory that was {what} after capture: {ext.label}, read by "
-                f"{reader}. A graph keeps addresses, not tensors: keep that tensor alive and update "
-                "it in place (copy_) instead of rebinding or resizing it, or capture again."
+                f"{reader} (the capture met it at {footprint.format_line(ext.site)}). A graph keeps "
+                "addresses, not tensors: a tensor a graph reads must outlive the graph, and hold "
+                "at each replay what the replay should read. A value the runner computes outside "
+                "the capture (from this step's batch or the capture's own) is read as the capture "
+                "left it: compute it inside the capture from buffers the runner rewrites in place "
+                "(copy_) before each replay, or keep a persistent buffer and rewrite it so; never "
+                "rebind, resize or drop what a graph reads (or capture again)."
             )
         return storage
 
@@ -517,6 +523,7 @@ class Capture:
                 tuple(t.stride()),
                 t.dtype,
                 f"{_describe(t)} at 0x{t.data_ptr():x}",
+                footprint.source_line(),  # once per external tensor a capture meets
             )
         )
         return self._bind(t, slot)
