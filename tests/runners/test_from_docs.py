@@ -275,6 +275,14 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # device-side (overlap) tokens by the padding: continuing rows on a padded graph read another
     # row's token
     "overlap_dummy_token_shift": "replay_matches_eager",
+    # graph updates patch the destination of one copy kernel's nodes only: with a quantized key
+    # cache beside a half-precision value cache, a reused graph writes the values into the slot
+    # of the token it was captured for
+    "cpy_dest_single_kernel": "kv_writes_confined",
+    # a batch called uniform decode by its shape alone: a fresh prompt of the uniform query length
+    # replays the full graph, whose recurrent-state metadata the builder left as it was for a
+    # batch with a prefill
+    "prefill_aliases_uniform_decode": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
