@@ -389,7 +389,7 @@ ON_CUDA["query_start_padding_stale"] = ("replay_matches_eager", "padding_inert")
 # `shared_expert_stream_inplace`'s until the cuda delays held back a stream the step enters.)
 NOT_SHOWN_ON_CUDA = {"placeholder_substitution"}
 # Not yet run on a GPU. Their correct runners run there.
-NOT_YET_ON_CUDA: set[str] = set()
+NOT_YET_ON_CUDA: set[str] = {"cpy_dest_single_kernel", "prefill_aliases_uniform_decode"}
 # Races the sim reports when the twins are made, from its race checker; on a GPU only a value
 # can show them, in a step (the routed experts reading the shared expert's output through the
 # clone's block: `replay_matches_eager` at step 1 of the first example, seeds 0-2, on the H100).
