@@ -915,15 +915,11 @@ def first_tokens_past_the_largest_graph(spec: TargetSpec) -> list[StepPlan]:
                 positions + drafts <= _capacity(spec)
                 and rows * _blocks(spec, positions + drafts) <= spec.num_blocks - 1
             ):
-                plans.append(_uneven_drafts(rows, drafts))
+                # listed from the second admitted on; drafts - 1 down to none, then drafts again
+                uneven = StepPlan(kind="spec", rows=rows, spec_k=drafts, rotate=1, uneven=True)
+                plans.append(uneven)
             return plans
     return []
-
-
-def _uneven_drafts(rows: int, drafts: int) -> StepPlan:
-    """A speculative step whose `rows` requests propose `drafts - 1` down to none, and then
-    `drafts` again, listed from the second admitted on (`rotate=1`), none accepted."""
-    return StepPlan(kind="spec", rows=rows, spec_k=drafts, accepted=0, rotate=1, uneven=True)
 
 
 def first_capture_on_long_contexts(spec: TargetSpec) -> list[StepPlan]:

@@ -33,7 +33,7 @@ from pytest_graphmode.fuzz.campaign_process import (
     torch_cpu_threads,
 )
 from pytest_graphmode.fuzz.checks import sim_refusal
-from pytest_graphmode.fuzz.escaped import HarnessError, HarnessErrorRaised
+from pytest_graphmode.fuzz.escaped import HarnessError
 from pytest_graphmode.fuzz.kept_twins import HistoryFailure, KeptTwins
 from pytest_graphmode.fuzz.registry import (
     NO_DEVICE_FAULT,
@@ -224,12 +224,12 @@ def run_campaign(
             budget.failed(escaped.failed, unshrunk=escaped.unshrunk)
             raise
         except HarnessError as error:
-            raise HarnessErrorRaised(error) from None
+            raise NotAFinding(error) from None
         except Exception as failed:
             if is_out_of_device_memory(failed) and not budget.found:
                 # Outside a step (a step's errors are its outcome): the device had no room for
                 # the twins or the harness's copies. No finding to shrink: the campaign ends.
-                raise DeviceMemoryExhausted(failed) from failed
+                raise NotAFinding(failed) from failed
             budget.failed(failed, unshrunk=LEADING if budget.leading is not None else None)
             raise
         finally:
@@ -264,11 +264,12 @@ def run_campaign(
         failure = budget.annotated(failed.failure)
         stats.failures.append(failure)
         raise GraphmodeFailure(failure, stats) from None
-    except DeviceMemoryExhausted as exhausted:
-        raise exhausted.error from None
-    except HarnessErrorRaised as raised:
-        stats.harness_error = str(raised.error).splitlines()[0]
-        raise raised.error  # noqa: B904 - its cause, the exception raised, is already set
+    except NotAFinding as ended:
+        error = ended.error
+        if isinstance(error, HarnessError):
+            stats.harness_error = str(error).splitlines()[0]
+        error.__suppress_context__ = True  # the carrier is no part of its story; its cause is
+        raise error  # noqa: B904
     finally:
         twins.close()
         budget.finish()
@@ -368,17 +369,8 @@ def _after_leading_examples(chosen: hypothesis.settings, leading: int) -> hypoth
 
 LEADING = (
     "shrinking skipped: this is one of the campaign's leading examples, fixed schedules it runs "
-    "before any drawn one (the simplest pipelined pairs, a prefill then a replay and two "
-    "replays; a replay paired with a prefill, a weight update, the longest context and a "
-    "speculative step; a graph captured with a padding row replaying a full batch, then a "
-    "padded one twice; a request leaving the first row while a later one goes on; a batch "
-    "shrinking within its graph as its queries grow; requests alone on one graph in turn, with "
-    "other sampling values and adapters, then a new request listed first and a query growing on "
-    "one padded size; a decode beside a prefill with one stream held back alone in turn; a "
-    "speculative step with more tokens than the largest graph, then one of uneven drafts; a "
-    "graph first captured for long "
-    "contexts replaying a short row; a preempted request coming back and decoding on a graph), "
-    "and its replay ends at the failing step"
+    "before any drawn one (the name above is the function of `strategies.schedules` that makes "
+    "it, whose docstring says what it holds), and its replay ends at the failing step"
 )
 
 NOT_REPEATED = (
@@ -400,10 +392,11 @@ class TimeBudgetSpent(BaseException):
     `ShrinkBudgetSpent` ends it once shrinking has had its time."""
 
 
-class DeviceMemoryExhausted(BaseException):
-    """Ends Hypothesis's run when the device runs out of memory outside a step (the twins made,
-    a state restored), before anything failed: no finding, nothing to shrink. `run_campaign`
-    raises `error`, the out-of-memory error itself."""
+class NotAFinding(BaseException):
+    """Ends Hypothesis's run with `error`, no finding about the runner and nothing to shrink (a
+    `BaseException`: Hypothesis shrinks every `Exception` as a finding): the device out of memory
+    outside a step (the twins made, a state restored) before anything failed, or a `HarnessError`.
+    `run_campaign` raises `error` itself."""
 
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))

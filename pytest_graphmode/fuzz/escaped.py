@@ -36,15 +36,6 @@ class HarnessError(Exception):
     its `__cause__`."""
 
 
-class HarnessErrorRaised(BaseException):
-    """Carries a `HarnessError` through Hypothesis, which shrinks every `Exception` as a finding:
-    a harness error is reported as found, at once."""
-
-    def __init__(self, error: HarnessError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
 def is_runner_module(module: str) -> bool:
     """Whether code of `module` (a frame's `__name__`) is the runner's, not the harness's or a
     library's."""

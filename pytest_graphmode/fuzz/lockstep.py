@@ -244,9 +244,7 @@ class Lockstep:
             "or warm-up at start-up, for example) changed state the eager twin's construction "
             "did not"
         )
-        snippet = replay_snippet(
-            [], factory=self._factory, backend=self._backend_name, seed=self.twin_seed
-        )
+        snippet = self._snippet([])
         message = "\n".join(
             [
                 f"graphmode check {violations[0].check!r} failed before step 0, when the twins "
@@ -279,9 +277,7 @@ class Lockstep:
         if not any(errors):
             return made[0], made[1]
         violation = construction_raised(errors[0], errors[1])
-        snippet = replay_snippet(
-            [], factory=self._factory, backend=self._backend_name, seed=self.twin_seed
-        )
+        snippet = self._snippet([])
         message = "\n".join(
             [
                 f"graphmode check {violation.check!r} failed before step 0, when the twins were "
@@ -293,6 +289,12 @@ class Lockstep:
         )
         failure = Failure(violation.check, MADE_TWINS, message, self.twin_seed, snippet)
         raise GraphmodeFailure(failure, self.stats)
+
+    def _snippet(self, events: Sequence[Event]) -> str:
+        """The source that replays `events` on fresh twins made as these were."""
+        return replay_snippet(
+            events, factory=self._factory, backend=self._backend_name, seed=self.twin_seed
+        )
 
     def _make(self, mode: Literal["graph", "eager"]) -> GraphTarget:
         made = self._factory(mode, seed=self.seed, backend=self._backend_name)
@@ -388,7 +390,7 @@ class Lockstep:
                 raise
             except Exception as error:
                 if is_device_fault(error) or is_out_of_device_memory(error):
-                    raise  # the campaign reports these itself (isolation, DeviceMemoryExhausted)
+                    raise  # the campaign reports these itself (isolation, `NotAFinding`)
                 self._fail_escaped(error, step, first.batch, events[: first.index + 1])
             if violations:
                 self._fail(violations[0], step, first.batch, events[: first.index + 1])
@@ -406,12 +408,7 @@ class Lockstep:
         twins.update((name, twin) for name, (twin, _) in self.companies.items())
         call = runner_call(error, twins)
         if call is None:
-            snippet = replay_snippet(
-                self.replayed(events),
-                factory=self._factory,
-                backend=self._backend_name,
-                seed=self.twin_seed,
-            )
+            snippet = self._snippet(self.replayed(events))
             raise harness_error(error, f"at step {step} (seed {self.seed})", snippet) from error
         whose = "the runner's" if call.twin is None else f"the {call.twin} twin's"
         detail = (
@@ -732,12 +729,7 @@ class Lockstep:
     ) -> NoReturn:
         """Raise the failure of `violation` at `step`; `pair`: the batches of the pipelined pair
         `step` belongs to (`step` is the pair's first or second step), both described."""
-        snippet = replay_snippet(
-            self.replayed(events),
-            factory=self._factory,
-            backend=self._backend_name,
-            seed=self.twin_seed,
-        )
+        snippet = self._snippet(self.replayed(events))
         where = f"seed {self.seed}"
         if self.examples > 1:
             where += f", example {self.examples} on twins made with seed {self.twin_seed}"
