@@ -34,7 +34,7 @@ from pytest_graphmode.fuzz.campaign_process import (
 )
 from pytest_graphmode.fuzz.checks import sim_refusal
 from pytest_graphmode.fuzz.escaped import HarnessError
-from pytest_graphmode.fuzz.kept_twins import HistoryFailure, KeptTwins
+from pytest_graphmode.fuzz.kept_twins import IN_CONSTRUCTION, HistoryFailure, KeptTwins
 from pytest_graphmode.fuzz.registry import (
     NO_DEVICE_FAULT,
     is_device_fault,
@@ -221,7 +221,10 @@ def run_campaign(
         try:
             twins.run(events, example_seed, fresh=fresh)
         except HistoryFailure as escaped:
-            budget.failed(escaped.failed, unshrunk=escaped.unshrunk)
+            unshrunk = escaped.unshrunk
+            if budget.leading is not None and unshrunk != IN_CONSTRUCTION:
+                unshrunk += f"; and it is one of the campaign's {LEADING_NEVER_SHRUNK}"
+            budget.failed(escaped.failed, unshrunk=unshrunk)
             raise
         except HarnessError as error:
             raise NotAFinding(error) from None
@@ -367,6 +370,11 @@ def _after_leading_examples(chosen: hypothesis.settings, leading: int) -> hypoth
     return hypothesis.settings(chosen, phases=[p for p in chosen.phases if p not in drawn])
 
 
+LEADING_NEVER_SHRUNK = (
+    "leading examples, fixed schedules it runs before any drawn one and never shrinks (the name "
+    "above is the function of `strategies.schedules` that makes it, whose docstring says what it "
+    "holds)"
+)
 LEADING = (
     "shrinking skipped: this is one of the campaign's leading examples, fixed schedules it runs "
     "before any drawn one (the name above is the function of `strategies.schedules` that makes "

@@ -47,6 +47,7 @@ from pytest_graphmode.fuzz.construction import (
 )
 from pytest_graphmode.fuzz.escaped import harness_error, runner_call
 from pytest_graphmode.fuzz.host_times import HostTimes
+from pytest_graphmode.fuzz.kv_checks import STATES_MATCH
 from pytest_graphmode.fuzz.packed_state import packed_state_as_bytes
 from pytest_graphmode.fuzz.registry import (
     REGISTRY,
@@ -134,6 +135,15 @@ class _References:
     clean: Outcome
     companies: tuple[sampling_check.CompanyRun, ...]
     live: StepResult | None
+
+
+class RestoreRefused(Exception):
+    """The kept twins cannot start the next example for something the runner did; `violation`
+    says what, as a failure of its check."""
+
+    def __init__(self, violation: Violation) -> None:
+        super().__init__(violation.describe())
+        self.violation = violation
 
 
 class Lockstep:
@@ -311,17 +321,24 @@ class Lockstep:
             self._scope.__exit__(None, None, None)
 
     def reset(self, seed: int) -> None:
-        """Start the next example on these twins, with `seed` (see `Reset`)."""
+        """Start the next example on these twins, with `seed` (see `Reset`); raise
+        `RestoreRefused` where the runner keeps them from it."""
         if not self._saved:
             raise ValueError("these twins keep no copy of their state: make them with kept=True")
+        # Counted first: a failure on the way is the next example's, and says so.
+        self.seed = seed
+        self.examples += 1
         for twin, saved in zip(self._targets, self._saved, strict=True):
             state = twin.state()
             if state.keys() != saved.keys():
-                raise ValueError(
-                    f"state() returned keys {sorted(state)} after {sorted(saved)} when the twin "
-                    "was made: the harness restores a kept twin through the tensors state() "
-                    "returns"
+                detail = (
+                    "a twin's state() keys changed since it was made: the harness restores a "
+                    "kept twin through the tensors state() returns, so their keys must stay those "
+                    "the twin was made with"
                 )
+                expected, actual = str(sorted(saved)), str(sorted(state))
+                changed = Violation(STATES_MATCH, detail, expected=expected, actual=actual)
+                raise RestoreRefused(changed)
             with stressors.writes_into_targets():
                 for key, tensor in state.items():
                     tensor.copy_(saved[key])
@@ -330,36 +347,51 @@ class Lockstep:
         except RuntimeError as error:
             if capture_error_of(error) is None:
                 raise
-            raise ValueError(
-                "a capture was still in progress when the harness synchronized the device to "
-                "start the next example on the kept twins (a capture the runner began on another "
-                "thread and had not ended when its step returned): CUDA refuses a device "
-                "synchronize during any capture, so a runner's captures must end before its step "
-                f"returns ({error})"
-            ) from error
+            detail = (
+                "capture_not_ended: a capture was still in progress when the harness "
+                "synchronized the device to start the next example on the kept twins (a capture "
+                "the runner began on another thread and had not ended when its step returned): "
+                "CUDA refuses a device synchronize during any capture, so a runner's captures "
+                f"must end before its step returns ({error})"
+            )
+            raise RestoreRefused(Violation(REPLAY_MATCHES_EAGER, detail)) from error
         self.backend.take_races()  # the harness's own restoring copies
         torch.manual_seed(seed)
         self.backend.set_scheduler_seed(seed)
-        self.seed = seed
         self._renaming = sampling_check.BlockRenaming.drawn(self.spec, seed)
-        self.examples += 1
         self._graph_result = None
 
     def run(self, events: Sequence[Event]) -> None:
         """Run `events`, one example or (separated by `Reset` events) several on these twins,
         and check every step."""
         example: list[Batch | Stress] = []
-        for event in events:
-            if not isinstance(event, Reset):
+        reset: Reset | None = None  # the one that starts `example`
+        for event in [*events, None]:
+            if event is not None and not isinstance(event, Reset):
                 example.append(event)
                 continue
+            if reset is not None:
+                self._restore(reset, example)
             self._run_example(example)
             self._history += example
-            self.reset(event.seed)
-            self._history.append(event)
-            example = []
-        self._run_example(example)
-        self._history += example
+            reset, example = event, []
+
+    def _restore(self, reset: Reset, example: Sequence[Batch | Stress]) -> None:
+        """`reset` the twins for `example`; what the runner breaks on the way (a method that
+        raises, `state()` keys that changed, a capture not ended, an earlier asynchronous error
+        surfacing at the synchronize) is a failure at the example's first step."""
+        self._history.append(reset)  # the snippet replays the examples before, then this reset
+        steps = _steps(example)
+        batch, events = (steps[0].batch, example[: steps[0].index + 1]) if steps else (None, [])
+        when = "restoring the kept twins' state() before the example's first step (its Reset)"
+        try:
+            self.reset(reset.seed)
+        except RestoreRefused as refused:
+            self._fail(refused.violation, 0, batch, events, when=when)
+        except Exception as error:
+            if is_device_fault(error) or is_out_of_device_memory(error):
+                raise  # the campaign reports these itself (isolation, `NotAFinding`)
+            self._fail_escaped(error, 0, batch, events, when=when)
 
     def replayed(self, events: Sequence[Batch | Stress]) -> list[Event]:
         """What replays `events`, the example now running, on fresh twins made as these were:
@@ -398,25 +430,31 @@ class Lockstep:
             step += 1
 
     def _fail_escaped(
-        self, error: Exception, step: int, batch: Batch, events: Sequence[Batch | Stress]
+        self,
+        error: Exception,
+        step: int,
+        batch: Batch | None,
+        events: Sequence[Batch | Stress],
+        when: str | None = None,
     ) -> NoReturn:
-        """Raise what `error`, escaped from the harness's work around `step`, is (`escaped.py`):
-        a failure of `replay_matches_eager` where a runner method raised it (a runner's methods
-        must not raise on a legal schedule, outside its step no more than in it), else a
-        `HarnessError`."""
+        """Raise what `error`, escaped from the harness's work around `step` (`when`: other
+        work, such as a `Reset`), is (`escaped.py`): a failure of `replay_matches_eager` where a
+        runner method raised it (a runner's methods must not raise on a legal schedule, outside
+        its step no more than in it), else a `HarnessError`."""
         twins = {"graph": self.graph, "eager": self.eager, "clean": self.clean}
         twins.update((name, twin) for name, (twin, _) in self.companies.items())
         call = runner_call(error, twins)
         if call is None:
             snippet = self._snippet(self.replayed(events))
-            raise harness_error(error, f"at step {step} (seed {self.seed})", snippet) from error
+            at = f"at step {step} (seed {self.seed})" + (f", {when}" if when else "")
+            raise harness_error(error, at, snippet) from error
         whose = "the runner's" if call.twin is None else f"the {call.twin} twin's"
         detail = (
             f"{call.twin or 'target'}_raised: {whose} {call.method} raised, called by the harness "
             f"outside the step ({call.caller}); a runner's methods must not raise on a legal "
             f"schedule:\n{''.join(traceback.format_exception(error))}"
         )
-        self._fail(Violation(REPLAY_MATCHES_EAGER, detail), step, batch, events)
+        self._fail(Violation(REPLAY_MATCHES_EAGER, detail), step, batch, events, when=when)
 
     def _graph_step(
         self, batch: Batch, stress: Stress, outlast: Sequence[Batch] | None = None
@@ -723,24 +761,31 @@ class Lockstep:
         self,
         violation: Violation,
         step: int,
-        batch: Batch,
+        batch: Batch | None,
         events: Sequence[Batch | Stress],
         pair: tuple[Batch, Batch] | None = None,
+        when: str | None = None,
     ) -> NoReturn:
-        """Raise the failure of `violation` at `step`; `pair`: the batches of the pipelined pair
-        `step` belongs to (`step` is the pair's first or second step), both described."""
+        """Raise the failure of `violation` at `step` (`batch` None: an example without steps),
+        `when` the harness's work it was found in where that is not the step's own; `pair`: the
+        batches of the pipelined pair `step` belongs to (`step` is the pair's first or second
+        step), both described."""
         snippet = self._snippet(self.replayed(events))
         where = f"seed {self.seed}"
         if self.examples > 1:
             where += f", example {self.examples} on twins made with seed {self.twin_seed}"
-        steps = [(step, batch)]
+        if when is not None:
+            where += f", {when}"
+        steps = [] if batch is None else [(step, batch)]
         pipelined = []
         if pair is not None:
             start = step if batch is pair[0] else step - 1
             steps = [(start, pair[0]), (start + 1, pair[1])]
             pipelined = [
                 f"steps {start} and {start + 1} ran as a pipelined pair: step {start + 1} was "
-                f"submitted to the graph twin before anything of step {start} was read"
+                f"submitted to the graph twin before anything of step {start} was read (whether "
+                "the pairing matters: the snippet with `pipelined=False` in that `Stress` runs "
+                "them one after the other)"
             ]
         message = "\n".join(
             [

@@ -4,6 +4,7 @@ as the runner's failure."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -14,6 +15,7 @@ from pytest_graphmode.campaign_stats import CampaignStats, SessionSummary
 from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.checks import REPLAY_MATCHES_EAGER
 from pytest_graphmode.fuzz.escaped import HarnessError, is_runner_module
+from pytest_graphmode.fuzz.kv_checks import STATES_MATCH
 from pytest_graphmode.fuzz.lockstep import Lockstep
 from pytest_graphmode.report import summary_lines
 from tests.fuzz import toy
@@ -101,3 +103,73 @@ def test_the_harness_raising_in_its_own_code_is_a_harness_error_reported_at_once
         in summary_lines(summary)
     )
     assert CampaignStats.from_json(stats.to_json()).harness_error == stats.harness_error
+
+
+class _StateRaisesAtReset:
+    """A toy target whose `state()` raises when the harness restores the kept twins for the next
+    example (a `Reset`), and only then: the restore runs outside any step."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+    def state(self) -> Mapping[str, torch.Tensor]:
+        if any(f.function == "reset" and "lockstep" in f.filename for f in inspect.stack()):
+            raise RuntimeError("cache pages were handed back to the pool")
+        return self._target.state()  # type: ignore[no-any-return]
+
+
+def _state_raises_at_reset(mode: Literal["graph", "eager"], *, seed: int, backend: str) -> Any:
+    made = toy.make_target(mode, seed=seed, backend=backend)
+    return _StateRaisesAtReset(made) if mode == "graph" else made
+
+
+def test_a_runner_method_raising_while_the_kept_twins_are_restored_fails_the_next_example():
+    stats = CampaignStats()
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(_state_raises_at_reset, max_examples=5, max_steps=4, seed=0, stats=stats)
+    failure = caught.value.failure
+    assert failure.check == REPLAY_MATCHES_EAGER and failure.step == 0
+    assert "example 2 on twins made with seed" in failure.message
+    assert "restoring the kept twins' state() before the example's first step" in failure.message
+    assert "graph_raised: the graph twin's state raised" in failure.message
+    assert "RuntimeError: cache pages were handed back to the pool" in failure.message
+    assert "Reset(" in failure.replay_snippet
+    assert stats.failures == [failure] and stats.harness_error is None
+
+
+class _StateGrowsAKey:
+    """A toy target whose `state()` gains a tensor once it has stepped (a cache made lazily):
+    the kept twins' saved copy lacks it."""
+
+    def __init__(self, target: Any) -> None:
+        self._target, self._late = target, torch.zeros(toy.SPEC.num_slots)
+        self._stepped = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+    def step(self, batch: Any) -> Any:
+        self._stepped = True
+        return self._target.step(batch)
+
+    def state(self) -> Mapping[str, torch.Tensor]:
+        state = dict(self._target.state())
+        if self._stepped:
+            state["late"] = self._late
+        return state
+
+
+def _state_grows_a_key(mode: Literal["graph", "eager"], *, seed: int, backend: str) -> Any:
+    return _StateGrowsAKey(toy.make_target(mode, seed=seed, backend=backend))
+
+
+def test_state_keys_changed_since_the_twins_were_made_fail_states_match_at_the_next_example():
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(_state_grows_a_key, max_examples=5, max_steps=4, seed=0)
+    failure = caught.value.failure
+    assert failure.check == STATES_MATCH and failure.step == 0
+    assert "a twin's state() keys changed since it was made" in failure.message
+    assert "'late'" in failure.message

@@ -12,6 +12,7 @@ import torch
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, StepResult, TargetFactory
 from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
+from pytest_graphmode.fuzz.checks import REPLAY_MATCHES_EAGER
 from pytest_graphmode.fuzz.kept_twins import (
     FRESH_EVERY,
     NEEDS_TWIN_SEED,
@@ -158,6 +159,7 @@ def test_a_failure_that_needs_the_twins_history_replays_from_its_snippet() -> No
     failure = caught.value.failure
     assert failure.check == "replay_matches_eager", failure.message
     assert "this failure needed the twins' history" in failure.message
+    # the second leading example: not shrunk for its history, and as a leading example
     assert "shrinking skipped: the failure needs the examples before it" in failure.message
     assert "Reset(seed=" in failure.replay_snippet
     with pytest.raises(GraphmodeFailure) as replayed:
@@ -310,7 +312,19 @@ def captures_in_the_background(mode: str, *, seed: int, backend: str) -> Capture
     return CapturesInTheBackground(mode, seed=seed, backend=backend)
 
 
-def test_a_capture_left_open_when_a_step_returns_stops_the_campaign_saying_so():
+def test_a_capture_left_open_when_a_step_returns_fails_the_next_example_saying_so():
     factory = captures_in_the_background
-    with pytest.raises(ValueError, match="a capture was still in progress"):
+    with pytest.raises(GraphmodeFailure) as caught:
         run_campaign(factory, backend="sim", max_examples=3, max_steps=2, seed=0)
+    failure = caught.value.failure
+    assert failure.check == REPLAY_MATCHES_EAGER and failure.step == 0
+    assert "capture_not_ended: a capture was still in progress" in failure.message
+    assert "restoring the kept twins' state() before the example's first step" in failure.message
+
+
+def test_a_leading_example_that_needed_an_earlier_update_says_both_why_it_is_not_shrunk() -> None:
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(shifts_adapters_on_update, max_examples=12, max_steps=8, seed=0)
+    message = caught.value.failure.message
+    assert "shrinking skipped: the example started from weights an earlier example" in message
+    assert "; and it is one of the campaign's leading examples, fixed schedules" in message

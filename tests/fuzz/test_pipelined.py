@@ -162,6 +162,9 @@ def test_a_pairs_failure_describes_both_steps(bug: str, step: int) -> None:
     assert failure.step == step
     assert "steps 1 and 2 ran as a pipelined pair" in failure.message
     assert "\nstep 1: " in failure.message and "\nstep 2: " in failure.message
+    # how to tell whether the pairing matters: the snippet's pair, run one step after the other
+    assert "the snippet with `pipelined=False` in that `Stress`" in failure.message
+    assert "pipelined=True" in failure.replay_snippet
 
 
 def test_a_block_handed_on_within_a_pair_keeps_what_the_first_step_reads() -> None:
