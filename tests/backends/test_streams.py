@@ -232,3 +232,38 @@ def test_sim_device_to_host_copy_of_a_replay_is_stale_before_a_sync(sim):
         sim.synchronize()
         assert readback.tolist()[0] == 5.0
     assert results == {0.0, 5.0}
+
+
+def test_sim_an_error_of_a_replayed_operation_says_which_and_that_it_ran_late(sim):
+    table = torch.randn(8, 4, device=sim.device)
+    rows = torch.zeros(2, dtype=torch.long, device=sim.device)
+    g = sim.Graph()
+    with sim.graph(g):
+        out = table.index_select(0, rows) * 2
+    rows.copy_(torch.tensor([1, 99]))  # past the table: the replay's gather raises
+    g.replay()
+    with pytest.raises(IndexError) as raised:
+        out.clone()  # the replay runs here, when its stream is needed
+    notes = raised.value.__notes__
+    assert notes[0] == (
+        "in a graph replay: its recorded operation 1 of 2, aten.index_select.default, as captured"
+    )
+    assert notes[1].startswith(
+        "raised by device work queued earlier on <sim stream default> (graph"
+    )
+    assert len(notes) == 2
+
+
+def test_sim_an_error_of_an_operation_queued_on_a_stream_says_it_ran_late(sim):
+    table = torch.randn(8, 4, device=sim.device)
+    rows = torch.tensor([1, 99], device=sim.device)
+    side = sim.Stream()
+    side.wait_stream(sim.current_stream())
+    with sim.stream(side):
+        picked = torch.empty(2, 4, device=sim.device)
+        torch.index_select(table, 0, rows, out=picked)  # queued: raises when it runs
+    with pytest.raises(IndexError) as raised:
+        sim.synchronize()
+    notes = raised.value.__notes__
+    assert len(notes) == 1 and notes[0].startswith("raised by device work queued earlier"), notes
+    assert "(aten.index_select.out)" in notes[0]

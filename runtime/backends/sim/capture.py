@@ -188,7 +188,7 @@ class Program:
             t = torch.empty(0, dtype=ext.dtype)
             env[ext.idx] = t.set_(storage, ext.offset, ext.shape, ext.stride)
         with torch.no_grad():
-            for (
+            for index, (
                 func,
                 template,
                 direct,
@@ -197,7 +197,7 @@ class Program:
                 kwargs_refs,
                 view_outs,
                 fresh,
-            ) in plans:
+            ) in enumerate(plans):
                 args = template.copy()
                 for i, slot in direct:
                     args[i] = env[slot]
@@ -205,7 +205,14 @@ class Program:
                     args[i] = _resolve(args[i], env)
                 if kwargs_refs:
                     kwargs = {k: _resolve(v, env) for k, v in kwargs.items()}
-                out = func(*args, **kwargs)
+                try:
+                    out = func(*args, **kwargs)
+                except Exception as error:
+                    error.add_note(
+                        f"in a graph replay: its recorded operation {index + 1} of {len(plans)}, "
+                        f"{func}, as captured"
+                    )
+                    raise
                 outs = out if isinstance(out, tuple | list) else [out]
                 if view_outs is not None:
                     for slot, value in zip(view_outs, outs, strict=True):

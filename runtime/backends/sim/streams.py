@@ -138,8 +138,29 @@ class StreamScheduler:
                 # synchronize or a later operation runs the queue.
                 with torch._C._AutoDispatchBelowADInplaceOrView():
                     item.run()
+            except Exception as error:
+                _note_ran_late(error, item, stream)
+                raise
             finally:
                 self._running = was_running
+
+
+QUEUED_EARLIER = "raised by device work queued earlier"
+
+
+def _note_ran_late(error: Exception, item: _Work, stream: SimStream) -> None:
+    """Say on `error` that queued work raised it, not the operation its traceback ends in: the
+    sim runs queued work when a later operation or a synchronize needs it, as CUDA reports a
+    kernel's error at a later call (or as a device-side assert). Once: work run inside other
+    queued work (a stream waited for) is the innermost's."""
+    if any(QUEUED_EARLIER in note for note in getattr(error, "__notes__", ())):
+        return
+    error.add_note(
+        f"{QUEUED_EARLIER} on {stream!r} ({item.label}): the sim ran it when a later operation "
+        "or a synchronize reached it, which is where the traceback above passes through the "
+        "stream scheduler; the operation that raised is the innermost frame. On CUDA such an "
+        "error is reported asynchronously too, at a later call, or as a device-side assert"
+    )
 
 
 _stream_ids = itertools.count()
