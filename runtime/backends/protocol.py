@@ -36,6 +36,11 @@ class GraphHandle(Protocol):
 class StreamHandle(Protocol):
     """A stream, shaped like `torch.cuda.Stream`."""
 
+    @property
+    def cuda_stream(self) -> int:
+        """The stream's identity: 0 for the default stream, distinct for every other."""
+        ...
+
     def wait_stream(self, stream: Any) -> None: ...
 
     def wait_event(self, event: Any) -> None: ...
