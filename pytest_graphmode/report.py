@@ -41,8 +41,8 @@ def summary_lines(
         f"paths: {paths}",
         f"pipelined: {stats.pipelined_steps} of {stats.steps} steps (in pairs, the second "
         f"submitted before the first was read)",
-        f"buckets hit (steps per capture size they pad to; 0: above every size): "
-        f"{buckets or 'none'}",
+        "buckets hit (steps per capture size their tokens pad to; 0: more tokens than the "
+        f"largest, any phase): {buckets or 'none'}",
         f"fallback reasons: {fallback_causes(stats.fallback_reasons) or 'none'}",
         f"checks run: {_counts(stats.checks_run) or 'none'}",
     ]

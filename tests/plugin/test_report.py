@@ -87,7 +87,8 @@ def test_summary_lines_show_paths_buckets_reasons_checks_and_failures() -> None:
         "campaigns: 1  examples: 3  steps: 20  time: 1.5 s",
         "paths: full 15  piecewise 0  eager 5",
         "pipelined: 6 of 20 steps (in pairs, the second submitted before the first was read)",
-        "buckets hit (steps per capture size they pad to; 0: above every size): 2: 3, 16: 1",
+        "buckets hit (steps per capture size their tokens pad to; 0: more tokens than the "
+        "largest, any phase): 2: 3, 16: 1",
         "fallback reasons: prefill: 5",
         "checks run: replay_matches_eager: 20",
         "failures: 1",
