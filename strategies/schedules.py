@@ -948,12 +948,24 @@ def first_capture_on_long_contexts(spec: TargetSpec) -> list[StepPlan]:
     which a random schedule seldom captures on (half of its requests are greedy), and then
     replays a greedy one. A choice the runner made on the host from the capture batch's sampling
     (that every row samples, so the greedy branch can go, as an `all_random` flag says) replays
-    for the greedy row as it was; `first_handover` shows the graph of one row the same."""
-    room = 4  # positions after the prompt: the decodes, and one short of the limit
+    for the greedy row as it was; `first_handover` shows the graph of one row the same.
+
+    Where the spec has speculative decoding, the two long requests run one speculative step
+    between their prompts and their first decode, proposing one draft each, none accepted: the
+    first decode captures its graph on rows whose last step rejected a draft. A runner whose
+    forward corrects its own inputs in place for the drafts the last step rejected (an overlap
+    scheduler prepares a request as if every draft was accepted) and captures on the live batch
+    after warm-up runs on the same inputs applies the correction once per run (TensorRT-LLM PR
+    7373); a random schedule seldom captures right after a rejection (twins are fresh every
+    eighth example, and most first captures follow a crowd of short prompts). The last decode
+    then writes the per-request limit's last position."""
+    room = 4  # positions after the prompt: the decodes (one short of the limit, or at it)
     budget = spec.max_num_tokens // 2
     if "prefill" not in spec.features or spec.max_num_reqs < 2 or budget < 1:
         return []
-    prefill_steps = MAX_LEADING_STEPS - 3
+    # one draft a row, rejected: the first decode's capture follows a rejection
+    rejected = [StepPlan(kind="spec", rows=2, spec_k=1)] if "spec_decode" in spec.features else []
+    prefill_steps = MAX_LEADING_STEPS - 3 - len(rejected)
     prompt = min(_capacity(spec) - room, prefill_steps * budget)
     if prompt < 2 or 2 * _blocks(spec, prompt + room) + 1 > spec.num_blocks - 1:
         return []
@@ -967,6 +979,7 @@ def first_capture_on_long_contexts(spec: TargetSpec) -> list[StepPlan]:
     return [
         StepPlan(kind="prefill", rows=2, arrivals=tuple(long), chunk=budget),
         *[StepPlan(kind="prefill", rows=2, chunk=budget)] * (-(-prompt // budget) - 1),
+        *rejected,
         StepPlan(kind="decode", rows=2),
         StepPlan(kind="mixed", rows=2, finish=(0,), arrivals=(Arrival(prompt_len=1),)),
         StepPlan(kind="decode", rows=2),

@@ -114,6 +114,19 @@ class _Step:
     index: int
 
 
+def _how_it_ran(result: StepResult | None) -> str:
+    """The graph twin's path and graph for a step, as a failure's message adds it to the step's
+    line; its result's `reason` too where it ran off a whole graph."""
+    if result is None:
+        return "; graph twin: raised"
+    ran = f"; graph twin: path {result.path}"
+    if result.graph_key is not None:
+        ran += f", graph key {result.graph_key!r}"
+    if result.path != "full" and result.reason:
+        ran += f" ({result.reason})"
+    return ran
+
+
 def _steps(events: Sequence[Batch | Stress]) -> list[_Step]:
     steps: list[_Step] = []
     pending = Stress()
@@ -182,6 +195,8 @@ class Lockstep:
         # the factory's). Restoring `state()` does not undo it: the next example starts from them.
         self.weight_seed: int | None = None
         self._history: list[Event] = []  # the events of the examples run before this one
+        # How the graph twin ran each step of this example, for a failure's message.
+        self._how_ran: dict[int, str] = {}
         self._saved: list[dict[str, torch.Tensor]] = []
         # Measured on cuda only, the one backend whose delays it sizes.
         self.host_times = HostTimes(measure=self.backend.name == "cuda")
@@ -404,6 +419,7 @@ class Lockstep:
         pairs do not chain, since a result need stay valid only until the step after it
         returns."""
         steps = _steps(events)
+        self._how_ran.clear()  # this example's steps' batches, by identity
         kept: list[Kept] = []
         previous: Batch | None = None
         step = 0
@@ -750,6 +766,7 @@ class Lockstep:
         return judged, graph1, ref1
 
     def _count(self, batch: Batch, result: StepResult | None) -> None:
+        self._how_ran[id(batch)] = _how_it_ran(result)
         self.stats.steps += 1
         self.stats.buckets_hit[bucket_for(self.spec, batch.num_tokens)] += 1
         if result is not None:
@@ -793,7 +810,7 @@ class Lockstep:
                 violation.describe(),
                 *(
                     f"step {at}: {ran.num_reqs} requests, {ran.num_tokens} tokens, phase "
-                    f"{ran.phase}, query lengths {ran.query_lens}"
+                    f"{ran.phase}, query lengths {ran.query_lens}" + self._how_ran.get(id(ran), "")
                     for at, ran in steps
                 ),
                 *pipelined,

@@ -16,6 +16,7 @@ from pytest_graphmode.contract import Batch, Request, StepResult
 from pytest_graphmode.fuzz import GraphmodeFailure, replay
 from pytest_graphmode.fuzz.checks import RESULTS_STAY_VALID, results_disjoint
 from pytest_graphmode.fuzz.kv_checks import kv_writes_confined, unlanded
+from pytest_graphmode.fuzz.lockstep import _how_it_ran
 from pytest_graphmode.strategies.plans import StepPlan, Stress
 from pytest_graphmode.strategies.rank_schedules import rank_steps
 from pytest_graphmode.strategies.scheduler import compile_schedule
@@ -162,6 +163,8 @@ def test_a_pairs_failure_describes_both_steps(bug: str, step: int) -> None:
     assert failure.step == step
     assert "steps 1 and 2 ran as a pipelined pair" in failure.message
     assert "\nstep 1: " in failure.message and "\nstep 2: " in failure.message
+    # each step's line says how the graph twin ran it
+    assert failure.message.count("; graph twin: path full, graph key ") == 2, failure.message
     # how to tell whether the pairing matters: the snippet's pair, run one step after the other
     assert "the snippet with `pipelined=False` in that `Stress`" in failure.message
     assert "pipelined=True" in failure.replay_snippet
@@ -200,3 +203,13 @@ def test_the_default_draws_include_pipelined_steps() -> None:
 
     draw()
     assert any(drawn) and not all(drawn)
+
+
+def test_a_failed_steps_line_says_how_the_graph_twin_ran_it() -> None:
+    full = StepResult(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), "full", 8)
+    eager = StepResult(
+        torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), "eager", None, "prefill"
+    )
+    assert _how_it_ran(full) == "; graph twin: path full, graph key 8"
+    assert _how_it_ran(eager) == "; graph twin: path eager (prefill)"
+    assert _how_it_ran(None) == "; graph twin: raised"

@@ -292,6 +292,13 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # a split-K scratch made inside a capture from the shared graph pool: its arrival counter
     # is dirty for the small graphs until the graph that zeroes it replays
     "split_k_scratch_in_graph_pool": "replay_matches_eager",
+    # the speculator's draft loop captured in one graph keeps the first draft step's page count:
+    # a later draft step's key lands on a page the attention never reads
+    "draft_loop_stale_page_plan": "replay_matches_eager",
+    # the capture's warm-ups run the forward's in-place correction of its inputs for rejected
+    # drafts again and again on the live batch: the second warm-up stores over the request's
+    # own context
+    "capture_warmup_kv_lens_drift": "kv_writes_confined",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
@@ -402,6 +409,8 @@ NOT_YET_ON_CUDA: set[str] = {
     "padded_reqs_at_graph_break",
     "lora_segment_count_baked",
     "split_k_scratch_in_graph_pool",
+    "draft_loop_stale_page_plan",
+    "capture_warmup_kv_lens_drift",
 }
 # Races the sim reports when the twins are made, from its race checker; on a GPU only a value
 # can show them, in a step (the routed experts reading the shared expert's output through the
