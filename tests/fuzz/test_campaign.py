@@ -544,3 +544,12 @@ def test_a_runner_made_in_inference_mode_is_poisoned_marked_and_restored():
     stats = run_campaign(_InferenceModeToy, max_examples=12, max_steps=4, seed=0)
     assert stats.failures == [] and stats.examples == 12
     assert stats.checks_run["kv_writes_land"] > 0
+
+
+def test_the_capture_on_long_contexts_follows_a_rejected_draft_where_drafts_are_proposed():
+    kinds = [(p.kind, p.spec_k, p.accepted) for p in first_capture_on_long_contexts(toy.SPEC)]
+    first_decode = kinds.index(("decode", 1, 0))
+    assert kinds[first_decode - 1] == ("spec", 1, 0)  # one draft a row, none accepted
+    assert all(kind == "prefill" for kind, _, _ in kinds[: first_decode - 1])
+    without = dataclasses.replace(toy.SPEC, features=toy.SPEC.features - {"spec_decode"})
+    assert "spec" not in [p.kind for p in first_capture_on_long_contexts(without)]
