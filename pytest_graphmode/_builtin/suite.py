@@ -49,8 +49,14 @@ def test_campaign_pinned_scheduler_seed(
     graphmode_target_factory: TargetFactory,
     scheduler_seed: int,
 ) -> None:
-    if settings_of(request.config).backend != "sim":
+    settings = settings_of(request.config)
+    if settings.backend != "sim":
         pytest.skip("scheduler seeds exist only on the sim backend")
+    if settings.seed == scheduler_seed:
+        pytest.skip(
+            f"--graphmode-seed={scheduler_seed} makes test_campaign this very campaign: not run "
+            "twice"
+        )
     stats = graphmode_fuzz(
         graphmode_target_factory, seed=scheduler_seed, label=f"pinned seed {scheduler_seed}"
     )
