@@ -68,10 +68,19 @@ def summary_lines(
 
 def fallback_causes(reasons: Counter[str], top: int = TOP_CAUSES) -> str:
     """`reasons` grouped by cause, most frequent first: the dispatcher's reasons carry the batch's
-    numbers, so each distinct batch would otherwise be its own entry."""
-    causes: Counter[str] = Counter()
+    numbers, so each distinct batch would otherwise be its own entry. A number every reason of a
+    cause shares is part of its text and stays."""
+    # cause -> the first clause of one of its reasons, and each reason's numbers with its count
+    groups: dict[str, tuple[str, list[tuple[list[str], int]]]] = {}
     for reason, count in reasons.items():
-        causes[fallback_cause(reason)] += count
+        clause = _first_clause(reason).strip()
+        cause = fallback_cause(reason)
+        groups.setdefault(cause, (clause, []))[1].append((re.findall(r"\d+", clause), count))
+    causes: Counter[str] = Counter()
+    for cause, (clause, members) in groups.items():
+        causes[_keeping_fixed_numbers(cause, clause, [n for n, _ in members])] += sum(
+            count for _, count in members
+        )
     shown = ", ".join(f"{cause}: {count}" for cause, count in causes.most_common(top))
     rest = len(causes) - top
     return f"{shown} (+{rest} more in the JSON report)" if rest > 0 else shown
@@ -83,6 +92,20 @@ def fallback_cause(reason: str) -> str:
     largest capture size N`)."""
     clause = _first_clause(reason).strip()
     return re.sub(r"\d+", "N", clause) or reason
+
+
+def _keeping_fixed_numbers(cause: str, clause: str, numbers: list[list[str]]) -> str:
+    """`cause` with the numbers every reason of it shares written out: only those that differ
+    from reason to reason are the batch's (`query longer than 1 + 4 tokens` keeps its 1 where the
+    4 varies)."""
+    if not clause or any(len(n) != len(numbers[0]) for n in numbers):
+        return cause
+    parts = re.split(r"(\d+)", clause)  # text, number, text, ...
+    for index in range(1, len(parts), 2):
+        position = index // 2
+        if any(n[position] != numbers[0][position] for n in numbers):
+            parts[index] = "N"
+    return "".join(parts)
 
 
 def _first_clause(reason: str) -> str:

@@ -123,11 +123,13 @@ def test_fallback_reasons_are_grouped_by_cause_with_the_top_few_shown() -> None:
         }
     )
     line = summary_lines(SessionSummary(1, campaign(fallback_reasons=reasons)))[4]
+    # numbers that differ from batch to batch become N; one every reason of a cause shares (the
+    # largest size, 8) and those of a cause seen once stay
     assert line == (
-        "fallback reasons: batch of N tokens exceeds the largest capture size N: 62, "
+        "fallback reasons: batch of N tokens exceeds the largest capture size 8: 62, "
         "non-uniform query lengths (mixed batch): 50, "
         "no capture sizes configured (full graphs disabled): 3, "
-        "query length N exceeds max_query_len=N of the full graphs: 1 (+1 more in the JSON report)"
+        "query length 3 exceeds max_query_len=2 of the full graphs: 1 (+1 more in the JSON report)"
     )
 
 
@@ -263,7 +265,7 @@ def test_a_fallback_cause_keeps_a_graph_key_whole() -> None:
     line = summary_lines(SessionSummary(1, campaign(fallback_reasons=reasons)))[4]
     assert (
         line
-        == "fallback reasons: captured the graph keyed (N, N, N): the capture step ran eagerly: 2"
+        == "fallback reasons: captured the graph keyed (N, 32, 256): the capture step ran eagerly: 2"
     )
 
 
@@ -274,3 +276,9 @@ def test_every_check_has_a_description_in_the_glossary() -> None:
     descriptions = _check_descriptions()
     assert list(descriptions) == list(CHECKS)
     assert [name for name, text in descriptions.items() if text == "(no description)"] == []
+
+
+def test_a_number_that_is_part_of_a_causes_text_is_kept() -> None:
+    reasons = Counter({f"query longer than 1 + {k} tokens": k for k in (2, 3, 4)})
+    line = summary_lines(SessionSummary(1, campaign(fallback_reasons=reasons)))[4]
+    assert line == "fallback reasons: query longer than 1 + N tokens: 9"
