@@ -25,7 +25,7 @@ from hypothesis.errors import Flaky
 
 from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import Batch, TargetFactory, TargetSpec
-from pytest_graphmode.failure import Failure, GraphmodeFailure
+from pytest_graphmode.failure import MADE_TWINS, Failure, GraphmodeFailure
 from pytest_graphmode.fuzz.campaign_process import (
     DEFAULT_CPU_THREADS,
     check_cpu_threads,
@@ -444,6 +444,7 @@ class ShrinkBudget:
         # runs them as explicit examples: a failure there is reported as found, never shrunk.
         self.leading: str | None = None
         self._found_in: str | None = None  # the leading example the first failure was found in
+        self._found_step: int | None = None  # the step of that example it failed at, as found
         self._unshrunk: str | None = None  # why the first failure is not shrunk, if it is not
         self._lock = threading.Lock()  # progress runs on the ticker thread too
 
@@ -471,6 +472,9 @@ class ShrinkBudget:
         self._found_at = time.perf_counter()
         self._unshrunk = unshrunk
         self._found_in = self.leading
+        # the step of the example as found; the failure's own step is the shrunk schedule's
+        found_step = error.failure.step if isinstance(error, GraphmodeFailure) else None
+        self._found_step = None if found_step == MADE_TWINS else found_step
         stats = self._stats
         stats.first_failure_seconds = self._found_at - self._started
         stats.first_failure_example = stats.examples
@@ -551,8 +555,9 @@ class ShrinkBudget:
         else:
             line = f"shrinking finished in {took}"
         which = "" if self._found_in is None else f" (the leading example {self._found_in})"
+        at = "" if self._found_step is None else f", at its step {self._found_step}"
         found = (
-            f"first failing example: {stats.first_failure_example}{which}, found after "
+            f"first failing example: {stats.first_failure_example}{which}{at}, found after "
             f"{stats.first_failure_seconds or 0.0:.1f} s"
         )
         return dataclasses.replace(failure, message=f"{failure.message}\n{found}; {line}")

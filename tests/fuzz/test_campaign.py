@@ -270,8 +270,10 @@ def test_shrinking_leaves_a_single_step_of_batch_literals(pipelined: bool):
     leading = "shrinking skipped: this is one of the campaign's leading examples"
     assert (leading in caught.value.failure.message) == pipelined
     # the report names the leading example it was found in: the first is the simplest pair
-    named = "first failing example: 1 (the leading example first_pair), found after"
+    named = "first failing example: 1 (the leading example first_pair), at its step 0, found after"
     assert (named in caught.value.failure.message) == pipelined
+    # and the step of the example as found, which a shrunk schedule's own step need not be
+    assert ", at its step " in caught.value.failure.message.splitlines()[-1]
 
 
 def test_a_failure_drawn_from_the_global_generator_replays_with_the_same_values():

@@ -63,7 +63,7 @@ def mutant_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     return run_suite(
         tmp_path_factory,
         "tests.mutants.buffer_rebound:make_target",
-        "--graphmode-seed=1",
+        "--graphmode-seed=2",  # neither pinned seed: three campaigns
         "--graphmode-examples=40",
         "--graphmode-steps=12",
         "--graphmode-shrink-seconds=5",
