@@ -5,7 +5,7 @@ as the runner's failure."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import pytest
@@ -41,9 +41,8 @@ def test_runner_code_is_every_module_but_the_harness_and_the_libraries(module, r
     assert is_runner_module(module) is runner
 
 
-class _StaticBuffersRaise:
-    """A toy target whose graph twin's `static_buffers()` raises once it has stepped: the harness
-    calls it to poison the buffers before every step of the graph twin, outside the step."""
+class _Wrapped:
+    """A toy target with some of its methods replaced; `_stepped` says whether it has stepped."""
 
     def __init__(self, target: Any) -> None:
         self._target, self._stepped = target, False
@@ -55,15 +54,28 @@ class _StaticBuffersRaise:
         self._stepped = True
         return self._target.step(batch)
 
+
+def _twins(wrapper: type[_Wrapped], graph_only: bool = True) -> Callable[..., Any]:
+    """A factory of toy twins wrapped in `wrapper` (the graph twin alone with `graph_only`)."""
+
+    def make(mode: Literal["graph", "eager"], *, seed: int, backend: str) -> Any:
+        made = toy.make_target(mode, seed=seed, backend=backend)
+        return wrapper(made) if mode == "graph" or not graph_only else made
+
+    return make
+
+
+class _StaticBuffersRaise(_Wrapped):
+    """A toy target whose graph twin's `static_buffers()` raises once it has stepped: the harness
+    calls it to poison the buffers before every step of the graph twin, outside the step."""
+
     def static_buffers(self) -> Mapping[str, torch.Tensor]:
         if self._stepped:
             raise ValueError("staging map lost its buffers")
         return self._target.static_buffers()  # type: ignore[no-any-return]
 
 
-def _static_buffers_raise(mode: Literal["graph", "eager"], *, seed: int, backend: str) -> Any:
-    made = toy.make_target(mode, seed=seed, backend=backend)
-    return _StaticBuffersRaise(made) if mode == "graph" else made
+_static_buffers_raise = _twins(_StaticBuffersRaise)
 
 
 def test_a_runner_method_raising_outside_the_step_fails_a_check_naming_twin_and_method():
@@ -105,15 +117,9 @@ def test_the_harness_raising_in_its_own_code_is_a_harness_error_reported_at_once
     assert CampaignStats.from_json(stats.to_json()).harness_error == stats.harness_error
 
 
-class _StateRaisesAtReset:
+class _StateRaisesAtReset(_Wrapped):
     """A toy target whose `state()` raises when the harness restores the kept twins for the next
     example (a `Reset`), and only then: the restore runs outside any step."""
-
-    def __init__(self, target: Any) -> None:
-        self._target = target
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._target, name)
 
     def state(self) -> Mapping[str, torch.Tensor]:
         if any(f.function == "reset" and "lockstep" in f.filename for f in inspect.stack()):
@@ -121,9 +127,7 @@ class _StateRaisesAtReset:
         return self._target.state()  # type: ignore[no-any-return]
 
 
-def _state_raises_at_reset(mode: Literal["graph", "eager"], *, seed: int, backend: str) -> Any:
-    made = toy.make_target(mode, seed=seed, backend=backend)
-    return _StateRaisesAtReset(made) if mode == "graph" else made
+_state_raises_at_reset = _twins(_StateRaisesAtReset)
 
 
 def test_a_runner_method_raising_while_the_kept_twins_are_restored_fails_the_next_example():
@@ -140,30 +144,18 @@ def test_a_runner_method_raising_while_the_kept_twins_are_restored_fails_the_nex
     assert stats.failures == [failure] and stats.harness_error is None
 
 
-class _StateGrowsAKey:
+class _StateGrowsAKey(_Wrapped):
     """A toy target whose `state()` gains a tensor once it has stepped (a cache made lazily):
     the kept twins' saved copy lacks it."""
-
-    def __init__(self, target: Any) -> None:
-        self._target, self._late = target, torch.zeros(toy.SPEC.num_slots)
-        self._stepped = False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._target, name)
-
-    def step(self, batch: Any) -> Any:
-        self._stepped = True
-        return self._target.step(batch)
 
     def state(self) -> Mapping[str, torch.Tensor]:
         state = dict(self._target.state())
         if self._stepped:
-            state["late"] = self._late
+            state["late"] = self.__dict__.setdefault("_late", torch.zeros(toy.SPEC.num_slots))
         return state
 
 
-def _state_grows_a_key(mode: Literal["graph", "eager"], *, seed: int, backend: str) -> Any:
-    return _StateGrowsAKey(toy.make_target(mode, seed=seed, backend=backend))
+_state_grows_a_key = _twins(_StateGrowsAKey, graph_only=False)
 
 
 def test_state_keys_changed_since_the_twins_were_made_fail_states_match_at_the_next_example():
