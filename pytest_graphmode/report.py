@@ -70,15 +70,14 @@ def fallback_causes(reasons: Counter[str], top: int = TOP_CAUSES) -> str:
     """`reasons` grouped by cause, most frequent first: the dispatcher's reasons carry the batch's
     numbers, so each distinct batch would otherwise be its own entry. A number every reason of a
     cause shares is part of its text and stays."""
-    # cause -> the first clause of one of its reasons, and each reason's numbers with its count
-    groups: dict[str, tuple[str, list[tuple[list[str], int]]]] = {}
+    # cause -> the first clause of each of its reasons, with the reason's count
+    groups: dict[str, list[tuple[str, int]]] = {}
     for reason, count in reasons.items():
         clause = _first_clause(reason).strip()
-        cause = fallback_cause(reason)
-        groups.setdefault(cause, (clause, []))[1].append((re.findall(r"\d+", clause), count))
+        groups.setdefault(_numbers_as_n(clause) or reason, []).append((clause, count))
     causes: Counter[str] = Counter()
-    for cause, (clause, members) in groups.items():
-        causes[_keeping_fixed_numbers(cause, clause, [n for n, _ in members])] += sum(
+    for cause, members in groups.items():
+        causes[_shared_numbers_kept(cause, [clause for clause, _ in members])] += sum(
             count for _, count in members
         )
     shown = ", ".join(f"{cause}: {count}" for cause, count in causes.most_common(top))
@@ -90,20 +89,23 @@ def fallback_cause(reason: str) -> str:
     """The stable part of a fallback reason: its first clause, with numbers replaced by N
     (`batch of 12 tokens exceeds the largest capture size 8` -> `batch of N tokens exceeds the
     largest capture size N`)."""
-    clause = _first_clause(reason).strip()
-    return re.sub(r"\d+", "N", clause) or reason
+    return _numbers_as_n(_first_clause(reason).strip()) or reason
 
 
-def _keeping_fixed_numbers(cause: str, clause: str, numbers: list[list[str]]) -> str:
-    """`cause` with the numbers every reason of it shares written out: only those that differ
+def _numbers_as_n(clause: str) -> str:
+    return re.sub(r"\d+", "N", clause)
+
+
+def _shared_numbers_kept(cause: str, clauses: list[str]) -> str:
+    """`cause` with the numbers all its `clauses` share written out: only those that differ
     from reason to reason are the batch's (`query longer than 1 + 4 tokens` keeps its 1 where the
-    4 varies)."""
-    if not clause or any(len(n) != len(numbers[0]) for n in numbers):
+    4 varies). The clauses of one cause differ in their numbers alone."""
+    if not clauses[0]:
         return cause
-    parts = re.split(r"(\d+)", clause)  # text, number, text, ...
+    split = [re.split(r"(\d+)", clause) for clause in clauses]  # text, number, text, ...
+    parts = split[0]
     for index in range(1, len(parts), 2):
-        position = index // 2
-        if any(n[position] != numbers[0][position] for n in numbers):
+        if any(other[index] != parts[index] for other in split):
             parts[index] = "N"
     return "".join(parts)
 

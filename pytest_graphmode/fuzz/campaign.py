@@ -370,15 +370,15 @@ def _after_leading_examples(chosen: hypothesis.settings, leading: int) -> hypoth
     return hypothesis.settings(chosen, phases=[p for p in chosen.phases if p not in drawn])
 
 
-LEADING_NEVER_SHRUNK = (
-    "leading examples, fixed schedules it runs before any drawn one and never shrinks (the name "
-    "above is the function of `strategies.schedules` that makes it, whose docstring says what it "
-    "holds)"
+_LEADING_EXAMPLES = "leading examples, fixed schedules it runs before any drawn one"
+_NAMED = (
+    "(the name above is the function of `strategies.schedules` that makes it, whose docstring "
+    "says what it holds)"
 )
+LEADING_NEVER_SHRUNK = f"{_LEADING_EXAMPLES} and never shrinks {_NAMED}"
 LEADING = (
-    "shrinking skipped: this is one of the campaign's leading examples, fixed schedules it runs "
-    "before any drawn one (the name above is the function of `strategies.schedules` that makes "
-    "it, whose docstring says what it holds), and its replay ends at the failing step"
+    f"shrinking skipped: this is one of the campaign's {_LEADING_EXAMPLES} {_NAMED}, and its "
+    "replay ends at the failing step"
 )
 
 NOT_REPEATED = (

@@ -29,9 +29,9 @@ import dataclasses
 import random
 import traceback
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, NoReturn
+from typing import Literal, NamedTuple, NoReturn
 
 import torch
 
@@ -114,7 +114,15 @@ class _Step:
     index: int
 
 
-def _how_it_ran(result: StepResult | None) -> str:
+class _Ran(NamedTuple):
+    """How the graph twin ran a step, kept for a failure's message (its result's tensors not)."""
+
+    path: str
+    graph_key: Hashable | None
+    reason: str | None
+
+
+def _how_it_ran(result: StepResult | _Ran | None) -> str:
     """The graph twin's path and graph for a step, as a failure's message adds it to the step's
     line; its result's `reason` too where it ran off a whole graph."""
     if result is None:
@@ -195,8 +203,8 @@ class Lockstep:
         # the factory's). Restoring `state()` does not undo it: the next example starts from them.
         self.weight_seed: int | None = None
         self._history: list[Event] = []  # the events of the examples run before this one
-        # How the graph twin ran each step of this example, for a failure's message.
-        self._how_ran: dict[int, str] = {}
+        # How the graph twin ran each step of this example (by step), for a failure's message.
+        self._ran: dict[int, _Ran | None] = {}
         self._saved: list[dict[str, torch.Tensor]] = []
         # Measured on cuda only, the one backend whose delays it sizes.
         self.host_times = HostTimes(measure=self.backend.name == "cuda")
@@ -381,31 +389,36 @@ class Lockstep:
         and check every step."""
         example: list[Batch | Stress] = []
         reset: Reset | None = None  # the one that starts `example`
-        for event in [*events, None]:
-            if event is not None and not isinstance(event, Reset):
+        for event in events:
+            if isinstance(event, Reset):
+                self._run_after(reset, example)
+                reset, example = event, []
+            else:
                 example.append(event)
-                continue
-            if reset is not None:
-                self._restore(reset, example)
-            self._run_example(example)
-            self._history += example
-            reset, example = event, []
+        self._run_after(reset, example)
+
+    def _run_after(self, reset: Reset | None, example: list[Batch | Stress]) -> None:
+        """Run `example` after its `reset` (None: the twins' first example)."""
+        if reset is not None:
+            self._restore(reset, example)
+        self._run_example(example)
+        self._history += example
 
     def _restore(self, reset: Reset, example: Sequence[Batch | Stress]) -> None:
         """`reset` the twins for `example`; what the runner breaks on the way (a method that
         raises, `state()` keys that changed, a capture not ended, an earlier asynchronous error
         surfacing at the synchronize) is a failure at the example's first step."""
         self._history.append(reset)  # the snippet replays the examples before, then this reset
-        steps = _steps(example)
-        batch, events = (steps[0].batch, example[: steps[0].index + 1]) if steps else (None, [])
-        when = "restoring the kept twins' state() before the example's first step (its Reset)"
         try:
             self.reset(reset.seed)
-        except RestoreRefused as refused:
-            self._fail(refused.violation, 0, batch, events, when=when)
         except Exception as error:
             if is_device_fault(error) or is_out_of_device_memory(error):
                 raise  # the campaign reports these itself (isolation, `NotAFinding`)
+            steps = _steps(example)
+            batch, events = (steps[0].batch, example[: steps[0].index + 1]) if steps else (None, [])
+            when = "restoring the kept twins' state() before the example's first step (its Reset)"
+            if isinstance(error, RestoreRefused):
+                self._fail(error.violation, 0, batch, events, when=when)
             self._fail_escaped(error, 0, batch, events, when=when)
 
     def replayed(self, events: Sequence[Batch | Stress]) -> list[Event]:
@@ -419,7 +432,7 @@ class Lockstep:
         pairs do not chain, since a result need stay valid only until the step after it
         returns."""
         steps = _steps(events)
-        self._how_ran.clear()  # this example's steps' batches, by identity
+        self._ran.clear()
         kept: list[Kept] = []
         previous: Batch | None = None
         step = 0
@@ -548,7 +561,7 @@ class Lockstep:
         graph = self._graph_step(batch, stress)
         refs = self._reference_steps(batch)
         eager, clean = refs.eager, refs.clean
-        self._count(batch, graph.result)
+        self._count(step, batch, graph.result)
         now = [(r, _clones(r), step) for r in (graph.result, eager.result) if r is not None]
         raised = bool(graph.error or eager.error)
         evidence = Evidence(
@@ -698,7 +711,7 @@ class Lockstep:
         if ref1 is not None and graph0.error is None:
             stressors.delay(self.backend, second.stress)
             graph1 = self._graph_step(second.batch, second.stress)
-        self._count(first.batch, graph0.result)
+        self._count(step, first.batch, graph0.result)
         self.stats.pipelined_steps += 1
         # A twin that raised owes no consistent state: the pair's states are then not read.
         states_read = not (graph0.error or ref0.eager.error or ended)
@@ -734,7 +747,7 @@ class Lockstep:
             )
         ]
         if ref1 is not None and graph1 is not None:
-            self._count(second.batch, graph1.result)
+            self._count(step + 1, second.batch, graph1.result)
             self.stats.pipelined_steps += 1
             eager0 = ref0.eager.result
             judged.append(
@@ -765,8 +778,10 @@ class Lockstep:
             )
         return judged, graph1, ref1
 
-    def _count(self, batch: Batch, result: StepResult | None) -> None:
-        self._how_ran[id(batch)] = _how_it_ran(result)
+    def _count(self, step: int, batch: Batch, result: StepResult | None) -> None:
+        self._ran[step] = (
+            None if result is None else _Ran(result.path, result.graph_key, result.reason)
+        )
         self.stats.steps += 1
         self.stats.buckets_hit[bucket_for(self.spec, batch.num_tokens)] += 1
         if result is not None:
@@ -810,7 +825,8 @@ class Lockstep:
                 violation.describe(),
                 *(
                     f"step {at}: {ran.num_reqs} requests, {ran.num_tokens} tokens, phase "
-                    f"{ran.phase}, query lengths {ran.query_lens}" + self._how_ran.get(id(ran), "")
+                    f"{ran.phase}, query lengths {ran.query_lens}"
+                    + (_how_it_ran(self._ran[at]) if at in self._ran else "")
                     for at, ran in steps
                 ),
                 *pipelined,

@@ -92,7 +92,7 @@ class RankLockstep(Lockstep):
                 if event.requests:
                     violations, kept = self._check_step(step, event, kept, pending)
                 else:
-                    violations = self._check_idle(event, pending)
+                    violations = self._check_idle(step, event, pending)
             held.clear()
             pending, fault = Stress(), RankFault()
             finding = self._judge(step, event, violations)
@@ -103,9 +103,9 @@ class RankLockstep(Lockstep):
             step += 1
         return None
 
-    def _count(self, batch: Batch, result: StepResult | None) -> None:
+    def _count(self, step: int, batch: Batch, result: StepResult | None) -> None:
         self._last = result
-        super()._count(batch, result)
+        super()._count(step, batch, result)
 
     @contextmanager
     def _faults(self, fault: RankFault) -> Iterator[None]:
@@ -123,13 +123,13 @@ class RankLockstep(Lockstep):
             for member in self._members:
                 member.force_eager = False
 
-    def _check_idle(self, batch: Batch, stress: Stress) -> list[Violation]:
+    def _check_idle(self, step: int, batch: Batch, stress: Stress) -> list[Violation]:
         """An idle rank runs the agreed shape on a dummy batch: empty results, and no KV write
         outside the null block."""
         before = snapshot(self.graph.state())
         graph = self._graph_step(batch, stress)
         clean = step_outcome(self.clean, batch)
-        self._count(batch, graph.result)
+        self._count(step, batch, graph.result)
         for twin, outcome in (("graph", graph), ("clean", clean)):
             problem = _idle_problem(outcome, self.spec.vocab_size)
             if problem:

@@ -4,8 +4,9 @@ as the runner's failure."""
 
 from __future__ import annotations
 
-import inspect
+import sys
 from collections.abc import Callable, Mapping
+from types import FrameType
 from typing import Any, Literal
 
 import pytest
@@ -122,12 +123,22 @@ class _StateRaisesAtReset(_Wrapped):
     example (a `Reset`), and only then: the restore runs outside any step."""
 
     def state(self) -> Mapping[str, torch.Tensor]:
-        if any(f.function == "reset" and "lockstep" in f.filename for f in inspect.stack()):
+        if _called_from_lockstep_reset(sys._getframe(1)):
             raise RuntimeError("cache pages were handed back to the pool")
         return self._target.state()  # type: ignore[no-any-return]
 
 
 _state_raises_at_reset = _twins(_StateRaisesAtReset)
+
+
+def _called_from_lockstep_reset(frame: FrameType | None) -> bool:
+    """Whether `frame` or one of its callers is `Lockstep.reset` (a walk, not `inspect.stack()`,
+    which reads every frame's source lines at each of the campaign's `state()` calls)."""
+    while frame is not None:
+        if frame.f_code.co_name == "reset" and "lockstep" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def test_a_runner_method_raising_while_the_kept_twins_are_restored_fails_the_next_example():

@@ -151,10 +151,8 @@ QUEUED_EARLIER = "raised by device work queued earlier"
 def _note_ran_late(error: Exception, item: _Work, stream: SimStream) -> None:
     """Say on `error` that queued work raised it, not the operation its traceback ends in: the
     sim runs queued work when a later operation or a synchronize needs it, as CUDA reports a
-    kernel's error at a later call (or as a device-side assert). Once: work run inside other
-    queued work (a stream waited for) is the innermost's."""
-    if any(QUEUED_EARLIER in note for note in getattr(error, "__notes__", ())):
-        return
+    kernel's error at a later call (or as a device-side assert). Said once: a stream an item
+    waits for runs before the item, outside its handler."""
     error.add_note(
         f"{QUEUED_EARLIER} on {stream!r} ({item.label}): the sim ran it when a later operation "
         "or a synchronize reached it, which is where the traceback above passes through the "
