@@ -24,6 +24,8 @@ class CampaignStats:
 
     examples: int = 0
     steps: int = 0
+    # Of `examples`, those run while shrinking a failure (after the first failing example).
+    shrink_examples: int = 0
     pipelined_steps: int = 0  # steps the graph twin ran in pipelined pairs (two per pair)
     buckets_hit: Counter[int] = field(default_factory=Counter)  # 0: above every capture size
     paths: Counter[str] = field(default_factory=Counter)
@@ -54,6 +56,7 @@ class CampaignStats:
         return CampaignStats(
             examples=self.examples + other.examples,
             steps=self.steps + other.steps,
+            shrink_examples=self.shrink_examples + other.shrink_examples,
             pipelined_steps=self.pipelined_steps + other.pipelined_steps,
             buckets_hit=self.buckets_hit + other.buckets_hit,
             paths=self.paths + other.paths,
@@ -81,6 +84,7 @@ class CampaignStats:
         return {
             "examples": self.examples,
             "steps": self.steps,
+            "shrink_examples": self.shrink_examples,
             "pipelined_steps": self.pipelined_steps,
             "buckets_hit": {str(k): v for k, v in sorted(self.buckets_hit.items())},
             **{name: dict(sorted(getattr(self, name).items())) for name in _COUNTERS},
@@ -110,6 +114,7 @@ class CampaignStats:
         return cls(
             examples=int(data["examples"]),
             steps=int(data["steps"]),
+            shrink_examples=int(data.get("shrink_examples", 0)),  # absent in older reports
             pipelined_steps=int(data.get("pipelined_steps", 0)),  # absent in older reports
             buckets_hit=Counter({int(k): int(v) for k, v in data["buckets_hit"].items()}),
             **{

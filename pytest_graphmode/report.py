@@ -36,7 +36,8 @@ def summary_lines(
     paths = "  ".join(f"{name} {stats.paths.get(name, 0)}" for name in PATHS)
     buckets = ", ".join(f"{size}: {count}" for size, count in sorted(stats.buckets_hit.items()))
     lines = [
-        f"campaigns: {summary.campaigns}  examples: {stats.examples}  steps: {stats.steps}  "
+        f"campaigns: {summary.campaigns}  examples: {stats.examples}{_shrunk(stats)}  "
+        f"steps: {stats.steps}  "
         f"time: {stats.seconds:.1f} s",
         f"paths: {paths}",
         f"pipelined: {stats.pipelined_steps} of {stats.steps} steps (in pairs, the second "
@@ -52,18 +53,24 @@ def summary_lines(
     lines.append(f"failures: {len(stats.failures)}")
     for failure in stats.failures:
         first_line = failure.message.splitlines()[0] if failure.message else ""
-        seed = "" if failure.seed is None else f" (example seed {failure.seed})"
+        seed = "" if failure.seed is None else f" (replay seed {failure.seed})"
         lines.append(f"  FAILED {failure.check} {failure.where}{seed}: {first_line}")
     if stats.failures:
         rerun = "run a failure's replay snippet to reproduce it alone"
         if base_seed is not None:
             rerun += f", or --graphmode-seed={base_seed} to rerun every campaign"
-        lines.append(f"  ({rerun}; the example seed is the one in its snippet)")
+        lines.append(f"  ({rerun}; the replay seed is the one its snippet passes to `replay`)")
     if stats.first_failure_check is not None:
         lines.append(_first_failure_line(stats))
     if stats.harness_error is not None:
         lines.append(f"harness error (not a finding about the target): {stats.harness_error}")
     return lines
+
+
+def _shrunk(stats: CampaignStats) -> str:
+    if not stats.shrink_examples:
+        return ""
+    return f" ({stats.shrink_examples} of them shrinking a failure)"
 
 
 def fallback_causes(reasons: Counter[str], top: int = TOP_CAUSES) -> str:

@@ -216,6 +216,8 @@ def run_campaign(
         budget.leading = leading_names[stats.examples] if stats.examples < len(leading) else None
         fresh = budget.leading is not None and stats.examples == fresh_at
         stats.examples += 1
+        if budget.found:
+            stats.shrink_examples += 1
         if on_example is not None:
             on_example(example_seed, events)
         try:

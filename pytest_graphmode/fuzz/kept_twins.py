@@ -9,11 +9,11 @@ leading example of a capture on long contexts). A weight update needs none: ever
 same new weights, and the next examples start from them (restoring `state()` does not undo them).
 What a runner must do to be kept is in docs/contract.md ("Kept twins").
 
-A failure found on kept twins is run again alone, on fresh twins, after the weight update it
-started from if there was one. When it fails there too without such an update, that is the
-failure reported and shrunk: its snippet replays the example alone. When it fails only after the
-update, it is reported at once, unshrunk (Hypothesis knows nothing of the update), with a snippet
-that replays the update and the example. When it does not fail alone, it is run again on fresh
+A failure found on kept twins is run again alone, on fresh twins. When it fails there too, that
+is the failure reported and shrunk: its snippet replays the example alone. When it passes alone
+but the example started from weights an earlier example's update loaded, it is run again after
+that update: when it fails so, it is reported at once, unshrunk (Hypothesis knows nothing of the
+update), with a snippet that replays the update and the example. When it does not fail alone, it is run again on fresh
 twins made with the seed the kept twins were made with (the first example's; a factory may draw
 its weights from it), after a `Reset` to the example's seed: when that fails, the failure needed
 those twins, and its snippet makes them and runs the example. When it passes, every example since
@@ -150,18 +150,21 @@ class KeptTwins:
         kept: Lockstep,
         weights: int | None,
     ) -> None:
-        """Run the failing example again alone on fresh twins, after the weight update it started
-        from (if any); raise what that tells. When it passes alone, run it again on fresh twins
+        """Run the failing example again alone on fresh twins, then (if it passes) after the
+        weight update it started from (if any); raise what that tells. When it passes alone, run it again on fresh twins
         made with the seed the kept ones were made with (a factory may draw weights from it);
         when that passes too, run every example since the kept twins were made again, on fresh
         twins: a failure that repeats there needed the twins' history, one that does not came
         from timing."""
         examples = kept.examples
         updated = [] if weights is None else [Stress(weight_seed=weights)]
-        alone = self._failure_alone([*updated, *events], seed)
-        if alone is not None and not updated:
+        # Alone without the update first: a failure that needs no earlier weights is shrunk.
+        alone = self._failure_alone(events, seed)
+        if alone is not None:
             alone.stats = self._stats
             raise alone  # outside any handler: raised as a fresh run of the example raises it
+        if updated:
+            alone = self._failure_alone([*updated, *events], seed)
         if alone is not None:
             note = (
                 f"\nthis example started from the weights of update_weights({weights}), called by "

@@ -88,8 +88,19 @@ def step_outcome(target: GraphTarget, batch: Batch) -> Outcome:
     """`target.step(batch)`, or the traceback of what it raised."""
     try:
         return Outcome(target.step(batch))
-    except Exception:  # a runner's failure is a finding, reported with its traceback
-        return Outcome(None, traceback.format_exc())
+    except Exception as exc:  # a runner's failure is a finding, reported with its traceback
+        return Outcome(None, _traceback_led_by_notes(exc))
+
+
+def _traceback_led_by_notes(exc: BaseException) -> str:
+    """The traceback of `exc`, led by the error and its notes where it has notes: the sim's say
+    which queued or recorded operation raised, and would come only after a traceback through
+    the sim's own frames."""
+    text = traceback.format_exc()
+    if not getattr(exc, "__notes__", None):
+        return text
+    head = "".join(traceback.format_exception_only(exc)).rstrip()
+    return f"{head}\n{text}"
 
 
 def frozen(result: StepResult) -> StepResult:
@@ -475,7 +486,7 @@ class Lockstep:
         call = runner_call(error, twins)
         if call is None:
             snippet = self._snippet(self.replayed(events))
-            at = f"at step {step} (seed {self.seed})" + (f", {when}" if when else "")
+            at = f"at step {step} (seed {self.twin_seed})" + (f", {when}" if when else "")
             raise harness_error(error, at, snippet) from error
         whose = "the runner's" if call.twin is None else f"the {call.twin} twin's"
         detail = (
@@ -803,16 +814,23 @@ class Lockstep:
         batches of the pipelined pair `step` belongs to (`step` is the pair's first or second
         step), both described."""
         snippet = self._snippet(self.replayed(events))
-        where = f"seed {self.seed}"
+        # The seed a user passes to `replay`: the twins'. A kept twins' example has its own, which
+        # the snippet's `Reset` carries.
+        where = f"seed {self.twin_seed}"
         if self.examples > 1:
-            where += f", example {self.examples} on twins made with seed {self.twin_seed}"
+            where += (
+                f", the snippet's; example {self.examples} on twins made with it, "
+                f"Reset(seed={self.seed})"
+            )
         if when is not None:
             where += f", {when}"
         steps = [] if batch is None else [(step, batch)]
         pipelined = []
+        at = f"step {step}"
         if pair is not None:
             start = step if batch is pair[0] else step - 1
             steps = [(start, pair[0]), (start + 1, pair[1])]
+            at += f", in the pipelined pair of steps {start} and {start + 1}"
             pipelined = [
                 f"steps {start} and {start + 1} ran as a pipelined pair: step {start + 1} was "
                 f"submitted to the graph twin before anything of step {start} was read (whether "
@@ -821,7 +839,7 @@ class Lockstep:
             ]
         message = "\n".join(
             [
-                f"graphmode check {violation.check!r} failed at step {step} ({where})",
+                f"graphmode check {violation.check!r} failed at {at} ({where})",
                 violation.describe(),
                 *(
                     f"step {at}: {ran.num_reqs} requests, {ran.num_tokens} tokens, phase "

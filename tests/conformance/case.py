@@ -151,6 +151,31 @@ def racy(be: Any, trial: Callable[[], str], shows: str, seeds: Iterable[int] = r
     return seen
 
 
+def _meta_checks_index_copy() -> bool:
+    """Whether this torch's meta kernel checks the rows' dimensions of `index_copy_` (2.13's
+    does, 2.11's does not)."""
+    table = torch.zeros(6, 4, device="meta")
+    try:
+        table.index_copy_(
+            0, torch.tensor([1, 2], device="meta"), torch.ones(2, 4, 1, device="meta")
+        )
+    except (IndexError, RuntimeError):
+        return True
+    return False
+
+
+# The sim checks a queued or recorded operation's arguments on the meta device, so it raises at
+# the call only where torch's meta kernel checks what the CPU kernel does.
+UNCHECKED_INDEX_COPY = (
+    ""
+    if _meta_checks_index_copy()
+    else (
+        "sim device: this torch's meta kernel for index_copy_ does not check the rows' "
+        "dimensions, so the sim finds the mistake when the queue runs (torch 2.13's does)"
+    )
+)
+
+
 def index_copy_of_too_many_dims(be: Any) -> Callable[[], object]:
     """An `index_copy_` whose rows have one dimension more than the table's: torch checks the
     arguments on the host, before it queues a kernel."""

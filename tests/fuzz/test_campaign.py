@@ -248,6 +248,8 @@ def test_an_unbounded_shrink_says_it_finished():
     stats = caught.value.stats
     assert stats is not None and stats.first_failure_example is not None
     assert stats.examples > stats.first_failure_example  # shrinking ran more examples
+    # every example after the first failing one was Hypothesis shrinking it
+    assert stats.shrink_examples == stats.examples - stats.first_failure_example
     assert not stats.shrink_stopped_by_budget and stats.shrink_budget_seconds is None
     assert "; shrinking finished in " in caught.value.failure.message
 

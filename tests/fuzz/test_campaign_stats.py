@@ -62,6 +62,7 @@ def test_a_failure_survives_pickling_with_its_stats():
 def failed_stats(first_example: int, check: str, campaign: str = "campaign") -> CampaignStats:
     return CampaignStats(
         examples=first_example + 3,
+        shrink_examples=3,
         first_failure_seconds=2.5,
         first_failure_example=first_example,
         first_failure_check=check,
@@ -79,6 +80,7 @@ def test_merge_keeps_the_first_campaigns_first_failure_and_adds_the_rest():
     assert (merged.first_failure_example, merged.first_failure_check) == (4, "padding_inert")
     assert merged.first_failure_campaign == "campaign"
     assert (merged.shrink_seconds, merged.planned_examples) == (8.0, 110)
+    assert merged.shrink_examples == 6
     assert merged.shrink_stopped_by_budget and merged.shrink_budget_seconds == 20.0
 
 
@@ -89,7 +91,12 @@ def test_first_failure_fields_survive_the_json_form():
 
 def test_a_report_written_before_the_first_failure_fields_still_reads():
     old = stats(2, 8, [FAILURE]).to_json()
-    for key in ("first_failure_check", "first_failure_campaign", "shrink_seconds"):
+    for key in (
+        "first_failure_check",
+        "first_failure_campaign",
+        "shrink_seconds",
+        "shrink_examples",
+    ):
         del old[key]
     assert CampaignStats.from_json(old) == stats(2, 8, [FAILURE])
 

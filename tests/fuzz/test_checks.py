@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, cast
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from pytest_graphmode.contract import AddressView, Batch, Request, StepResult, TargetSpec
 from pytest_graphmode.fuzz import addresses, checks, kv_checks, sampling_check, tolerance
 from pytest_graphmode.fuzz.checks import Outcome
+from pytest_graphmode.fuzz.lockstep import step_outcome
 from pytest_graphmode.fuzz.violation import differences
 from pytest_graphmode.strategies.idle_blocks import MARK
 
@@ -629,3 +631,29 @@ def test_float32_scales_beside_int8_codes_get_the_precision_the_logits_show():
     assert kv_checks.states_match(BATCH, graph, eager, SPEC, torch.bfloat16) == []
     assert tolerance.coarser_precision(torch.float32, torch.bfloat16, None) == torch.bfloat16
     assert tolerance.coarser_precision(None, None) is None
+
+
+class _RaisesWithANote:
+    """A runner whose step raises as the sim does for an operation queued earlier."""
+
+    def __init__(self, note: str | None) -> None:
+        self.note = note
+
+    def step(self, batch: Any) -> Any:
+        error = IndexError("index 99 is out of bounds for dimension 0 with size 8")
+        if self.note:
+            error.add_note(self.note)
+        raise error
+
+
+def test_a_step_error_with_notes_leads_with_the_error_and_its_notes():
+    note = "in a graph replay: its recorded operation 1 of 2, aten.index_select.default"
+    error = step_outcome(cast(Any, _RaisesWithANote(note)), BATCH).error
+    assert error is not None
+    assert error.splitlines()[:3] == [
+        "IndexError: index 99 is out of bounds for dimension 0 with size 8",
+        note,
+        "Traceback (most recent call last):",
+    ]
+    plain = step_outcome(cast(Any, _RaisesWithANote(None)), BATCH).error
+    assert plain is not None and plain.startswith("Traceback (most recent call last):")

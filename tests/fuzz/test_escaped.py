@@ -147,7 +147,7 @@ def test_a_runner_method_raising_while_the_kept_twins_are_restored_fails_the_nex
         run_campaign(_state_raises_at_reset, max_examples=5, max_steps=4, seed=0, stats=stats)
     failure = caught.value.failure
     assert failure.check == REPLAY_MATCHES_EAGER and failure.step == 0
-    assert "example 2 on twins made with seed" in failure.message
+    assert "example 2 on twins made with it, Reset(seed=" in failure.message
     assert "restoring the kept twins' state() before the example's first step" in failure.message
     assert "graph_raised: the graph twin's state raised" in failure.message
     assert "RuntimeError: cache pages were handed back to the pool" in failure.message

@@ -147,6 +147,30 @@ def test_a_failure_after_an_earlier_examples_weight_update_replays_that_update()
         exec(snippet, {})
 
 
+class ShiftsAdapterOne(toy.ToyTarget):
+    """Graph mode's second adapter is shifted from the start: wrong for its requests whatever
+    the weights."""
+
+    def __init__(self, mode: str, *, seed: int, backend: str) -> None:
+        super().__init__(mode, seed=seed, backend=backend)
+        if mode == "graph":
+            self.adapter_shift[1] += 1.0
+
+
+def test_a_failure_after_a_weight_update_that_fails_without_it_is_shrunk() -> None:
+    adapter_one = StepPlan(kind="decode", rows=1, arrivals=(Arrival(3, adapter=1),))
+    twins = KeptTwins(ShiftsAdapterOne, backend="sim", stats=CampaignStats())
+    try:
+        twins.run([Stress(weight_seed=5), *_batches(1)], seed=1)  # adapter 0 only: passes
+        with pytest.raises(GraphmodeFailure) as caught:  # not a HistoryFailure: Hypothesis shrinks
+            twins.run(compile_schedule(toy.SPEC, [adapter_one], seed=0), seed=2)
+    finally:
+        twins.close()
+    failure = caught.value.failure
+    assert "update_weights" not in failure.message
+    assert "Stress(" not in failure.replay_snippet and "Reset(" not in failure.replay_snippet
+
+
 def test_a_failure_that_needs_the_twins_history_replays_from_its_snippet() -> None:
     with pytest.raises(GraphmodeFailure) as caught:
         run_campaign(

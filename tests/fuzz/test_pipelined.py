@@ -161,6 +161,7 @@ def test_a_pairs_failure_describes_both_steps(bug: str, step: int) -> None:
         replay(EVENTS, factory=toy.factory([bug]), seed=3)
     failure = caught.value.failure
     assert failure.step == step
+    assert f"failed at step {step}, in the pipelined pair of steps 1 and 2 (" in failure.message
     assert "steps 1 and 2 ran as a pipelined pair" in failure.message
     assert "\nstep 1: " in failure.message and "\nstep 2: " in failure.message
     # each step's line says how the graph twin ran it

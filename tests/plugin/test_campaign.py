@@ -206,9 +206,9 @@ def test_summary_lists_the_failure(broken_run: Run) -> None:
         [
             "*= graphmode fuzz summary =*",
             "failures: 1",
-            "  FAILED replay_matches_eager at step 0 (example seed *): graphmode check*",
+            "  FAILED replay_matches_eager at step 0 (replay seed *): graphmode check*",
             "  (run a failure's replay snippet to reproduce it alone, or --graphmode-seed=1 to "
-            "rerun every campaign; the example seed is the one in its snippet)",
+            "rerun every campaign; the replay seed is the one its snippet passes to `replay`)",
             "first failure: replay_matches_eager at example * of campaign after * s; shrinking "
             "finished after * s",
             "what the checks prove:",

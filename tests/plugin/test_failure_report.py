@@ -186,7 +186,7 @@ def test_twins_that_abort_while_made_are_made_in_a_child_only(
     )
     fault_when_made_run.lines.fnmatch_lines(
         [
-            # no example seed: no example had started
+            # no replay seed: no example had started
             "  FAILED no_device_fault before step 0 (when the twins were made): graphmode check*",
             "first failure: no_device_fault at example 0 of campaign after *",
             "  no_device_fault: The device never faulted and the campaign's process never died*",

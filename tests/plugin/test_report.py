@@ -92,9 +92,9 @@ def test_summary_lines_show_paths_buckets_reasons_checks_and_failures() -> None:
         "fallback reasons: prefill: 5",
         "checks run: replay_matches_eager: 20",
         "failures: 1",
-        "  FAILED kv_writes_confined at step 2 (example seed 9): slot 17 changed",
+        "  FAILED kv_writes_confined at step 2 (replay seed 9): slot 17 changed",
         "  (run a failure's replay snippet to reproduce it alone, or --graphmode-seed=3121328572 "
-        "to rerun every campaign; the example seed is the one in its snippet)",
+        "to rerun every campaign; the replay seed is the one its snippet passes to `replay`)",
     ]
 
 
@@ -103,7 +103,7 @@ def test_a_failure_in_the_twins_construction_is_summarised_as_before_step_0() ->
     summary = SessionSummary(1, campaign(failures=[made]))
     line = next(line for line in summary_lines(summary) if "FAILED" in line)
     assert line == (
-        "  FAILED states_match before step 0 (when the twins were made) (example seed 4): "
+        "  FAILED states_match before step 0 (when the twins were made) (replay seed 4): "
         "state 'kv' differs"
     )
     assert Failure.from_json(made.to_json()) == made
@@ -282,3 +282,11 @@ def test_a_number_that_is_part_of_a_causes_text_is_kept() -> None:
     reasons = Counter({f"query longer than 1 + {k} tokens": k for k in (2, 3, 4)})
     line = summary_lines(SessionSummary(1, campaign(fallback_reasons=reasons)))[4]
     assert line == "fallback reasons: query longer than 1 + N tokens: 9"
+
+
+def test_summary_says_how_many_examples_shrank_a_failure() -> None:
+    summary = SessionSummary()
+    summary.add_campaign(campaign(examples=40, shrink_examples=31, failures=[FAILURE]))
+    assert summary_lines(summary)[0] == (
+        "campaigns: 1  examples: 40 (31 of them shrinking a failure)  steps: 20  time: 1.5 s"
+    )
