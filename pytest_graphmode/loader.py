@@ -144,20 +144,34 @@ def _faulted(exc: TargetError) -> bool:
 
 
 def _state_problems(target: Any, spec: TargetSpec) -> list[str]:
+    """What in `state()` disagrees with `spec`: the KV cache must be there one row per slot (the
+    tensors the harness marks, poisons and checks slot by slot); other tensors (a recurrent state,
+    a state per block) are compared whole, but one laid out per block and slot, as an unflattened
+    cache, would escape every slot check and is refused."""
     state = _call(f"{type(target).__qualname__}.state()", target.state)
     if not hasattr(state, "items"):
         return [f"state() returned a {type(state).__name__}, not a mapping of name -> tensor"]
-    problems = []
+    problems, shapes, per_slot = [], [], False
     for name, tensor in state.items():
         shape = tuple(getattr(tensor, "shape", ()))
-        if not shape:
+        if not hasattr(tensor, "shape"):
             problems.append(f"state()[{name!r}] is a {type(tensor).__name__}, not a tensor")
-        elif shape[0] != spec.num_slots:
+        elif shape[:1] == (spec.num_slots,):
+            per_slot = True
+        elif shape[:2] == (spec.num_blocks, spec.block_size):
             problems.append(
-                f"state()[{name!r}] has {shape[0]} rows, but spec.num_blocks * spec.block_size = "
-                f"{spec.num_blocks} * {spec.block_size} = {spec.num_slots} (the spec must describe "
-                "the runner's own KV cache)"
+                f"state()[{name!r}] has shape {shape}, one row per block and slot: expose it one "
+                f"row per slot, as tensor.view({spec.num_slots}, ...), so that the harness checks "
+                "it slot by slot"
             )
+        else:
+            shapes.append(f"state()[{name!r}] has {shape[0] if shape else 0} rows")
+    if not per_slot and not problems:
+        problems.append(
+            f"no state() tensor has spec.num_blocks * spec.block_size = {spec.num_blocks} * "
+            f"{spec.block_size} = {spec.num_slots} rows, one per KV slot ({'; '.join(shapes)}): "
+            "the spec must describe the runner's own KV cache"
+        )
     return problems
 
 

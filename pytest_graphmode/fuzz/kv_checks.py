@@ -96,7 +96,7 @@ def kv_writes_confined(
                 Violation(
                     KV_WRITES_CONFINED,
                     f"{twin} twin changed {key!r} at slot {slot} ({where}), which {steps} "
-                    f"not write",
+                    f"not write (expected: what the slot held before the step)",
                     slot=slot,
                     **differences(old[slot], new[slot]),
                 )

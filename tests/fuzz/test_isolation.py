@@ -3,6 +3,7 @@ named failure with its step and replay snippet, and the calling process goes on.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -128,10 +129,16 @@ def test_a_fault_surfacing_outside_a_step_is_announced_as_no_device_fault() -> N
     assert seen[-1] == NO_DEVICE_FAULT
 
 
+def _spec_claims_more_blocks(mode: str, *, seed: int, backend: str) -> toy.ToyTarget:
+    target = toy.make_target(mode, seed=seed, backend=backend)
+    target.spec = dataclasses.replace(target.spec, num_blocks=2 * target.spec.num_blocks)
+    return target
+
+
 def test_the_child_checks_the_twins_first_and_raises_the_contract_problem() -> None:
-    # The toy's state() holds its output weights too, which are not slot-major.
+    # No state() tensor has a row per slot of the spec's blocks.
     with pytest.raises(TargetError, match="state\\(\\) disagrees with its spec"):
-        run_isolated(toy.make_target, max_examples=2, seed=0, check_twins_first=True)
+        run_isolated(_spec_claims_more_blocks, max_examples=2, seed=0, check_twins_first=True)
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,13 @@
 """`load_factory` and `check_target`: every problem named, with what to do about it."""
 
 import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import pytest
+import torch
 
-from pytest_graphmode.loader import TargetError, check_target, load_factory
+from pytest_graphmode.loader import TargetError, check_target, check_twins, load_factory
 from tests.plugin.toy_target import SPEC, ToyTarget, make_target
 
 
@@ -65,3 +68,31 @@ def test_check_target_reports_an_inconsistent_spec() -> None:
     target.spec = broken
     with pytest.raises(TargetError, match="spec: null_block=16 outside"):
         check_target(target)
+
+
+class _WithExtraState(ToyTarget):
+    """The toy with one more `state()` tensor, `extra`."""
+
+    def __init__(self, mode: str, seed: int, extra: torch.Tensor) -> None:
+        super().__init__(mode, seed, logit_offset=0.0)
+        self.extra = extra
+
+    def state(self) -> Mapping[str, torch.Tensor]:
+        return {**super().state(), "extra": self.extra}
+
+
+def _twins_with(extra: Callable[[], torch.Tensor]) -> Any:
+    def make(mode: str, *, seed: int, backend: str) -> _WithExtraState:
+        return _WithExtraState(mode, seed, extra())
+
+    return make
+
+
+def test_check_twins_takes_a_state_kept_per_block_beside_the_cache() -> None:
+    check_twins(_twins_with(lambda: torch.zeros(SPEC.num_blocks, 3)), seed=0, backend="sim")
+
+
+def test_check_twins_refuses_a_tensor_laid_out_per_block_and_slot() -> None:
+    unflattened = (SPEC.num_blocks, SPEC.block_size, 2)
+    with pytest.raises(TargetError, match=r"state\(\)\['extra'\] has shape .* one row per block"):
+        check_twins(_twins_with(lambda: torch.zeros(unflattened)), seed=0, backend="sim")

@@ -28,8 +28,9 @@ def assert_one_usage_error(result: pytest.RunResult, message: str) -> None:
         ("make_target_without_step", "does not follow the target contract*method step() missing"),
         (
             "make_target_with_too_many_blocks",
-            "the graph twin's state() disagrees with its spec*state()[[]'kv'[]] has 64 rows, but "
-            "spec.num_blocks * spec.block_size = 32 * 4 = 128*",
+            "the graph twin's state() disagrees with its spec*no state() tensor has "
+            "spec.num_blocks * spec.block_size = 32 * 4 = 128 rows, one per KV slot "
+            "(state()[[]'kv'[]] has 64 rows)*",
         ),
         (
             "make_raising_target",

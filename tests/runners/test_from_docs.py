@@ -309,6 +309,16 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # the split-KV planner's chunk-size search counts a padding row as no tile, the split as one:
     # a padded batch whose rows fill the fixed grid plans more tiles than it holds, and raises
     "split_kv_chunk_search_empty_rows": "replay_matches_eager",
+    # the layer-wise connector's save hook runs inside the forward, so a full graph recorded it
+    # once and no replay saves: a request that comes back is reloaded with what was never saved
+    "layerwise_kv_save_in_full_graph": "kv_writes_confined",
+    # a one-token prompt's first step replays the decode graph, which takes no encoder outputs:
+    # the request's cross-attention memory is never stored
+    "whisper_first_step_graphed": "replay_matches_eager",
+    # the recurrent kernel's host-side sort of the state indices is cached by the buffer's address
+    # and batch size: the capture after a warm-up records no sort, and every replay reads the
+    # warm-up's permutation, freed since (a use-after-free on sim)
+    "gdn_sorted_state_indices_cached": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
@@ -418,7 +428,14 @@ ON_CUDA["query_start_padding_stale"] = ("replay_matches_eager", "padding_inert")
 # `shared_expert_stream_inplace`'s until the cuda delays held back a stream the step enters.)
 NOT_SHOWN_ON_CUDA = {"placeholder_substitution"}
 # Not yet run on a GPU. Their correct runners run there.
-NOT_YET_ON_CUDA: set[str] = set()
+NOT_YET_ON_CUDA: set[str] = {
+    "deepep_mode_flip_skipped",
+    "mamba_group_metadata_reused",
+    "split_kv_chunk_search_empty_rows",
+    "layerwise_kv_save_in_full_graph",
+    "whisper_first_step_graphed",
+    "gdn_sorted_state_indices_cached",
+}
 # Races the sim reports when the twins are made, from its race checker; on a GPU only a value
 # can show them, in a step (the routed experts reading the shared expert's output through the
 # clone's block: `replay_matches_eager` at step 1 of the first example, seeds 0-2, on the H100).
@@ -451,6 +468,9 @@ ON_CUDA["prefill_aliases_uniform_decode"] = ("replay_matches_eager", "no_device_
 # The poisoned column buffer of the second group indexes past the state: an exception on sim and
 # a device-side assert on a GPU.
 ON_CUDA["mamba_group_metadata_reused"] = ("replay_matches_eager", "no_device_fault")
+# The cached permutation freed under the graph holds whatever the allocator put there since, or
+# still the warm-up's slots, which leave a request's state unwritten.
+ON_CUDA["gdn_sorted_state_indices_cached"] = RACE_ON_CUDA
 ON_CUDA["sibling_slot_gather"] = ("replay_matches_eager", "padding_inert")
 LEADING = len(campaign_module._LEADING)  # the campaign's fixed leading examples
 # vLLM's start-up profiling asserts that the GPU's free memory did not rise while it profiled,
