@@ -31,6 +31,9 @@ class CampaignStats:
     paths: Counter[str] = field(default_factory=Counter)
     fallback_reasons: Counter[str] = field(default_factory=Counter)
     checks_run: Counter[str] = field(default_factory=Counter)
+    # Steps per graph key the graph twin replayed (its `StepResult.graph_key`, as text): which
+    # graphs ran how often, by request count where a runner keys its graphs so.
+    graph_keys: Counter[str] = field(default_factory=Counter)
     failures: list[Failure] = field(default_factory=list)
     seconds: float = 0.0
     # The first failing example, as found (before shrinking): when, which, and which check.
@@ -62,6 +65,7 @@ class CampaignStats:
             paths=self.paths + other.paths,
             fallback_reasons=self.fallback_reasons + other.fallback_reasons,
             checks_run=self.checks_run + other.checks_run,
+            graph_keys=self.graph_keys + other.graph_keys,
             failures=[*self.failures, *other.failures],
             seconds=self.seconds + other.seconds,
             # The session's first failure is the first campaign's that has one.
@@ -88,6 +92,7 @@ class CampaignStats:
             "pipelined_steps": self.pipelined_steps,
             "buckets_hit": {str(k): v for k, v in sorted(self.buckets_hit.items())},
             **{name: dict(sorted(getattr(self, name).items())) for name in _COUNTERS},
+            "graph_keys": dict(sorted(self.graph_keys.items())),
             "failures": [failure.to_json() for failure in self.failures],
             "seconds": round(self.seconds, 3),
             **_first_failure(self),
@@ -120,6 +125,9 @@ class CampaignStats:
             **{
                 name: Counter({str(k): int(v) for k, v in data[name].items()}) for name in _COUNTERS
             },
+            graph_keys=Counter(
+                {str(k): int(v) for k, v in data.get("graph_keys", {}).items()}  # absent in older
+            ),
             failures=[Failure.from_json(failure) for failure in data["failures"]],
             seconds=float(data["seconds"]),
             # Absent in reports written before these fields existed.

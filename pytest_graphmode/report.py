@@ -46,6 +46,7 @@ def summary_lines(
         f"largest, any phase): {buckets or 'none'}",
         f"fallback reasons: {fallback_causes(stats.fallback_reasons) or 'none'}",
         f"checks run: {_counts(stats.checks_run) or 'none'}",
+        f"graph keys replayed (steps per key): {_most(stats.graph_keys) or 'none'}",
     ]
     idle = [name for name in checks if not stats.checks_run.get(name)]
     if idle and stats.steps:
@@ -65,6 +66,13 @@ def summary_lines(
     if stats.harness_error is not None:
         lines.append(f"harness error (not a finding about the target): {stats.harness_error}")
     return lines
+
+
+def _most(counts: Counter[str], top: int = 12) -> str:
+    """The `top` most frequent of `counts`, most first, and how many more there are."""
+    shown = ", ".join(f"{name}: {count}" for name, count in counts.most_common(top))
+    more = len(counts) - top
+    return shown + (f" (and {more} more)" if more > 0 else "")
 
 
 def _shrunk(stats: CampaignStats) -> str:

@@ -1025,6 +1025,43 @@ def first_return_after_preemption(spec: TargetSpec) -> list[StepPlan]:
     return plans + [StepPlan(kind="decode", rows=3)] * 2
 
 
+def first_return_after_padded_steps(spec: TargetSpec) -> list[StepPlan]:
+    """The simplest schedule in which a request that sat out padded replays comes back and
+    samples. A campaign runs it as its twelfth example, after `first_return_after_preemption`, on
+    the same twins.
+
+    With r the fewest requests a graph pads (the smallest count of two or more that is no capture
+    size but below the largest): A (sampled where the spec samples, at the highest temperature,
+    admitted first) and r others with one-token prompts are admitted and decode together; then
+    the r others decode twice without A, padded, A first in the list and left out; then A comes
+    back, continuing where it was, and all decode twice more. A padding row given an absent
+    request's place (the lowest sequence slot the batch does not hold, the first row the step
+    leaves free) moves what the runner keeps there for A: the offset of A's random stream, its
+    produced-token counts, its state. A random schedule leaves the first request out of a padded
+    decode step and brings it back seldom: requests admitted first finish first. Empty where no
+    count is padded, or a step or the cache cannot hold the r + 1 requests."""
+    largest = max(spec.capture_sizes, default=0)
+    r = next((n for n in range(2, largest) if n not in spec.capture_sizes), None)
+    longest = 6  # A's prompt and its decodes; the others' are one fewer
+    fits = (
+        r is not None
+        and r + 1 <= min(spec.max_num_reqs, spec.max_num_tokens)
+        and longest <= _capacity(spec)
+        and (r + 1) * _blocks(spec, longest) <= spec.num_blocks - 1
+    )
+    if r is None or not fits:
+        return []
+    seed = 11 if "sampling" in spec.features else None
+    first = Arrival(prompt_len=1, seed=seed, temperature=max(TEMPERATURES))
+    return [
+        StepPlan(kind="prefill", rows=r + 1, arrivals=(first, *[Arrival(prompt_len=1)] * r)),
+        StepPlan(kind="decode", rows=r + 1),
+        # rotated by one, A (first in the list) is the one left out
+        *[StepPlan(kind="decode", rows=r, rotate=1)] * 2,
+        *[StepPlan(kind="decode", rows=r + 1)] * 2,
+    ]
+
+
 def _short_then_long_queries(spec: TargetSpec, live: int) -> list[StepPlan]:
     """Two prefill steps padded to one capture size c: c / 2 two-token prompts, then one prompt
     of c tokens (`first_handover`), beside `live` requests of three positions at most; empty

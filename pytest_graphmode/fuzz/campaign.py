@@ -51,6 +51,7 @@ from pytest_graphmode.strategies.schedules import (
     first_pair,
     first_partial_bucket,
     first_phase_change,
+    first_return_after_padded_steps,
     first_return_after_preemption,
     first_stale_tail,
     first_stream_sweep,
@@ -156,7 +157,7 @@ def run_campaign(
     shrunk. `shrink_seconds` bounds the shrinking (None: Hypothesis shrinks until done; 0: the
     failure is reported as found). `on_example(seed, events)` is called before each example runs.
     `pipelined=False` leaves pipelined pairs out of the schedules (docs/contract.md): every step
-    then runs in lockstep, each read before the next is sent; else the campaign's first eleven
+    then runs in lockstep, each read before the next is sent; else the campaign's first twelve
     examples are fixed schedules, counted among its examples: the simplest pipelined pairs, an eager
     prefill then a replay and two replays (`first_pair`), then a graph replay paired with an eager
     prefill, a weight update before replays, the longest context and a speculative step
@@ -175,7 +176,8 @@ def run_campaign(
     (`first_capture_on_long_contexts`), then decode steps on a graph delayed as the stream sweep's,
     with a request back from sitting out a step and then with more requests than the largest graph
     (`first_graph_stream_sweep`), then a preempted request coming back beside one that took its
-    blocks, and decoding on a graph (`first_return_after_preemption`).
+    blocks, and decoding on a graph (`first_return_after_preemption`), then a sampled request
+    back from sitting out padded replays (`first_return_after_padded_steps`).
     `seconds` is a time budget: once that many seconds have passed since the
     campaign started, no new example starts and the campaign ends as passed (a failure found before
     is shrunk as always, within `shrink_seconds`); `max_examples` still caps the count.
@@ -345,6 +347,7 @@ _LEADING: tuple[Callable[[TargetSpec], list[StepPlan]], ...] = (
     first_capture_on_long_contexts,
     first_graph_stream_sweep,
     first_return_after_preemption,
+    first_return_after_padded_steps,
 )
 # Starts on fresh twins wherever it falls (an empty schedule before it moves it forward): a runner
 # that captures a graph the first time a batch needs it must capture one there, on long contexts.
@@ -558,6 +561,8 @@ class ShrinkBudget:
             line = f"shrinking finished in {took}"
         which = "" if self._found_in is None else f" (the leading example {self._found_in})"
         at = "" if self._found_step is None else f", at its step {self._found_step}"
+        if at and not line.startswith("shrinking skipped"):
+            at += " (the steps above are the shrunk schedule's)"
         found = (
             f"first failing example: {stats.first_failure_example}{which}{at}, found after "
             f"{stats.first_failure_seconds or 0.0:.1f} s"

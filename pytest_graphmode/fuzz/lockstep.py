@@ -797,6 +797,8 @@ class Lockstep:
         self.stats.buckets_hit[bucket_for(self.spec, batch.num_tokens)] += 1
         if result is not None:
             self.stats.paths[result.path] += 1
+            if result.path != "eager" and result.graph_key is not None:
+                self.stats.graph_keys[repr(result.graph_key)] += 1
             if result.path != "full" and result.reason:
                 self.stats.fallback_reasons[result.reason] += 1
 

@@ -30,6 +30,7 @@ from pytest_graphmode.strategies.schedules import (
     first_handover,
     first_partial_bucket,
     first_phase_change,
+    first_return_after_padded_steps,
     first_return_after_preemption,
     first_stale_tail,
     first_stream_sweep,
@@ -173,7 +174,7 @@ def test_a_time_budget_runs_hypothesis_in_rounds_with_the_leading_examples_once(
         on_example=lambda _, e: seen.append(e),
     )
     assert stats.examples == len(seen) == rounds + 5 and not stats.stopped_by_time_budget
-    # Only the first round starts with the eleven leading examples; later rounds draw as a fresh
+    # Only the first round starts with the twelve leading examples; later rounds draw as a fresh
     # ci-sized run.
     for i in range(len(campaign_module._LEADING)):
         assert [j for j, events in enumerate(seen) if events == seen[i]] == [i]
@@ -192,6 +193,8 @@ def test_a_time_budget_runs_hypothesis_in_rounds_with_the_leading_examples_once(
     assert [e.held_stream for e in seen[9] if isinstance(e, Stress)] == [0, 1, 2]
     back = first_return_after_preemption(toy.SPEC)
     assert sum(isinstance(e, Batch) for e in seen[10]) == len(back) > 0
+    padded = first_return_after_padded_steps(toy.SPEC)
+    assert sum(isinstance(e, Batch) for e in seen[11]) == len(padded) > 0
 
 
 def test_the_capture_on_long_contexts_starts_on_fresh_twins_where_an_example_before_is_left_out():
@@ -252,6 +255,7 @@ def test_an_unbounded_shrink_says_it_finished():
     assert stats.shrink_examples == stats.examples - stats.first_failure_example
     assert not stats.shrink_stopped_by_budget and stats.shrink_budget_seconds is None
     assert "; shrinking finished in " in caught.value.failure.message
+    assert "(the steps above are the shrunk schedule's)" in caught.value.failure.message
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
@@ -557,3 +561,9 @@ def test_the_capture_on_long_contexts_follows_a_rejected_draft_where_drafts_are_
     assert all(kind == "prefill" for kind, _, _ in kinds[: first_decode - 1])
     without = dataclasses.replace(toy.SPEC, features=toy.SPEC.features - {"spec_decode"})
     assert "spec" not in [p.kind for p in first_capture_on_long_contexts(without)]
+
+
+def test_the_stats_count_the_steps_each_graph_key_replayed() -> None:
+    stats = run_campaign(toy.make_target, max_examples=3, max_steps=4, seed=5)
+    replayed = stats.paths["full"] + stats.paths["piecewise"]
+    assert sum(stats.graph_keys.values()) == replayed > 0

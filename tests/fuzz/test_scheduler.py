@@ -689,6 +689,31 @@ def test_the_return_after_preemption_needs_three_requests_and_their_blocks():
     assert schedules_module.first_return_after_preemption(TIGHT) == []
 
 
+@pytest.mark.parametrize("spec", [SPEC, DECODE_ONLY], ids=["prefill", "decode-only"])
+def test_a_request_comes_back_after_sitting_out_padded_replays(spec):
+    plans = schedules_module.first_return_after_padded_steps(spec)
+    batches = [e for e in compile_schedule(spec, plans, seed=0) if isinstance(e, Batch)]
+    assert all(batch_problems(b, spec) == [] for b in batches)
+    ids = [[r.req_id for r in b.requests] for b in batches]
+    assert ids == [[0, 1, 2, 3]] * 2 + [[1, 2, 3]] * 2 + [[0, 1, 2, 3]] * 2
+    # without A, three rows pad the graph of four
+    assert all(bucket_for(spec, b.num_tokens) == 4 for b in batches[2:4])
+    back = [b.requests[0] for b in batches[4:]]
+    assert [(r.req_id, r.context_len) for r in back] == [(0, 2), (0, 3)]  # continuing
+    sampled = "sampling" in spec.features
+    assert (back[0].seed is not None) == sampled
+
+
+def test_the_return_after_padded_steps_needs_a_padded_count_and_room():
+    consecutive = dataclasses.replace(SPEC, capture_sizes=(1, 2, 3, 4))
+    assert schedules_module.first_return_after_padded_steps(consecutive) == []
+    assert (
+        schedules_module.first_return_after_padded_steps(dataclasses.replace(SPEC, max_num_reqs=3))
+        == []
+    )
+    assert schedules_module.first_return_after_padded_steps(TIGHT) == []
+
+
 def test_boundary_draft_counts_put_a_speculative_step_at_or_just_past_a_capture_size():
     spec = dataclasses.replace(
         SPEC, capture_sizes=(1, 2, 4, 8, 16), max_num_reqs=8, max_num_tokens=20, num_blocks=64

@@ -80,8 +80,14 @@ def test_pipelined_steps_survive_json_and_add_up_across_campaigns() -> None:
 
 def test_summary_lines_show_paths_buckets_reasons_checks_and_failures() -> None:
     summary = SessionSummary()
+    keys = Counter({"('decode', 1)": 4, "('decode', 2)": 11})
     summary.add_campaign(
-        campaign(buckets_hit=Counter({16: 1, 2: 3}), pipelined_steps=6, failures=[FAILURE])
+        campaign(
+            buckets_hit=Counter({16: 1, 2: 3}),
+            pipelined_steps=6,
+            graph_keys=keys,
+            failures=[FAILURE],
+        )
     )
     assert summary_lines(summary, base_seed=3121328572) == [
         "campaigns: 1  examples: 3  steps: 20  time: 1.5 s",
@@ -91,6 +97,7 @@ def test_summary_lines_show_paths_buckets_reasons_checks_and_failures() -> None:
         "largest, any phase): 2: 3, 16: 1",
         "fallback reasons: prefill: 5",
         "checks run: replay_matches_eager: 20",
+        "graph keys replayed (steps per key): ('decode', 2): 11, ('decode', 1): 4",
         "failures: 1",
         "  FAILED kv_writes_confined at step 2 (replay seed 9): slot 17 changed",
         "  (run a failure's replay snippet to reproduce it alone, or --graphmode-seed=3121328572 "
@@ -290,3 +297,18 @@ def test_summary_says_how_many_examples_shrank_a_failure() -> None:
     assert summary_lines(summary)[0] == (
         "campaigns: 1  examples: 40 (31 of them shrinking a failure)  steps: 20  time: 1.5 s"
     )
+
+
+def test_summary_shows_the_most_replayed_graph_keys_and_how_many_more() -> None:
+    keys = Counter({f"('decode', {n})": n for n in range(1, 15)})
+    lines = summary_lines(SessionSummary(1, campaign(graph_keys=keys)))
+    line = next(line for line in lines if line.startswith("graph keys replayed"))
+    assert line.startswith("graph keys replayed (steps per key): ('decode', 14): 14, ")
+    assert line.endswith("('decode', 3): 3 (and 2 more)")
+
+
+def test_graph_keys_survive_json_and_add_up() -> None:
+    one = campaign(graph_keys=Counter({"('decode', 4)": 3}))
+    summary = SessionSummary(1, one)
+    summary.merge(SessionSummary.from_json(SessionSummary(1, one).to_json()))
+    assert summary.stats.graph_keys == {"('decode', 4)": 6}

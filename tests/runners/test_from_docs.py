@@ -319,6 +319,16 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # and batch size: the capture after a warm-up records no sort, and every replay reads the
     # warm-up's permutation, freed since (a use-after-free on sim)
     "gdn_sorted_state_indices_cached": "replay_matches_eager",
+    # the compile config's early return leaves attention inside the piecewise graphs, captured on
+    # dummy batches of one-token requests and keyed by token count: a short prefill replays the
+    # decode path
+    "empty_splitting_ops_piecewise": "replay_matches_eager",
+    # the attention kernel's scheduling metadata is planned for the batch's requests and read as
+    # planned for the graph's padded count: nine to twelve requests on the graph of sixteen
+    "fa3_schedule_planned_unpadded": "replay_matches_eager",
+    # a padding row takes the lowest sequence slot the batch does not hold, which may be a request
+    # sitting the step out: its random stream moves on, and it samples otherwise when it returns
+    "padding_advances_absent_rng": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
@@ -435,6 +445,9 @@ NOT_YET_ON_CUDA: set[str] = {
     "layerwise_kv_save_in_full_graph",
     "whisper_first_step_graphed",
     "gdn_sorted_state_indices_cached",
+    "empty_splitting_ops_piecewise",
+    "fa3_schedule_planned_unpadded",
+    "padding_advances_absent_rng",
 }
 # Races the sim reports when the twins are made, from its race checker; on a GPU only a value
 # can show them, in a step (the routed experts reading the shared expert's output through the
