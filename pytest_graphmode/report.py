@@ -68,7 +68,7 @@ def summary_lines(
     return lines
 
 
-def _most(counts: Counter[str], top: int = 12) -> str:
+def _most(counts: Counter[str], top: int = 8) -> str:
     """The `top` most frequent of `counts`, most first, and how many more there are."""
     shown = ", ".join(f"{name}: {count}" for name, count in counts.most_common(top))
     more = len(counts) - top

@@ -84,6 +84,16 @@ def snapshot(state: Mapping[str, torch.Tensor]) -> State:
     return {key: value.detach().to("cpu", copy=True) for key, value in state.items()}
 
 
+def key_text(key: object) -> str:
+    """A graph key as the summary shows it: a dataclass by its fields that hold something (no
+    class name, no None or empty field), anything else by its repr."""
+    if dataclasses.is_dataclass(key) and not isinstance(key, type):
+        fields = ((field.name, getattr(key, field.name)) for field in dataclasses.fields(key))
+        held = [(n, v) for n, v in fields if not (v is None or (isinstance(v, tuple) and not v))]
+        return "(" + ", ".join(f"{n}={v!r}" for n, v in held) + ")"
+    return repr(key)
+
+
 def step_outcome(target: GraphTarget, batch: Batch) -> Outcome:
     """`target.step(batch)`, or the traceback of what it raised."""
     try:
@@ -798,7 +808,7 @@ class Lockstep:
         if result is not None:
             self.stats.paths[result.path] += 1
             if result.path != "eager" and result.graph_key is not None:
-                self.stats.graph_keys[repr(result.graph_key)] += 1
+                self.stats.graph_keys[key_text(result.graph_key)] += 1
             if result.path != "full" and result.reason:
                 self.stats.fallback_reasons[result.reason] += 1
 

@@ -20,6 +20,7 @@ import pytest_graphmode.fuzz.campaign as campaign_module
 from pytest_graphmode.contract import Batch, Request, StepResult
 from pytest_graphmode.fuzz import CHECKS, CampaignStats, GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.isolation import NO_DEVICE_FAULT
+from pytest_graphmode.fuzz.lockstep import key_text
 from pytest_graphmode.fuzz.registry import RANK_CHECKS
 from pytest_graphmode.strategies.plans import Stress
 from pytest_graphmode.strategies.schedules import (
@@ -567,3 +568,18 @@ def test_the_stats_count_the_steps_each_graph_key_replayed() -> None:
     stats = run_campaign(toy.make_target, max_examples=3, max_steps=4, seed=5)
     replayed = stats.paths["full"] + stats.paths["piecewise"]
     assert sum(stats.graph_keys.values()) == replayed > 0
+
+
+def test_a_dataclass_graph_key_shows_the_fields_that_hold_something() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Key:
+        mode: str
+        num_tokens: int
+        num_reqs: int | None = None
+        extra: tuple[int, ...] = ()
+
+    assert key_text(Key("full", 8)) == "(mode='full', num_tokens=8)"
+    assert (
+        key_text(Key("full", 8, 4, (1,))) == "(mode='full', num_tokens=8, num_reqs=4, extra=(1,))"
+    )
+    assert key_text(("decode", 4)) == "('decode', 4)"
