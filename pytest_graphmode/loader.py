@@ -153,10 +153,11 @@ def _state_problems(target: Any, spec: TargetSpec) -> list[str]:
         return [f"state() returned a {type(state).__name__}, not a mapping of name -> tensor"]
     problems, shapes, per_slot = [], [], False
     for name, tensor in state.items():
-        shape = tuple(getattr(tensor, "shape", ()))
         if not hasattr(tensor, "shape"):
             problems.append(f"state()[{name!r}] is a {type(tensor).__name__}, not a tensor")
-        elif shape[:1] == (spec.num_slots,):
+            continue
+        shape = tuple(tensor.shape)
+        if shape[:1] == (spec.num_slots,):
             per_slot = True
         elif shape[:2] == (spec.num_blocks, spec.block_size):
             problems.append(

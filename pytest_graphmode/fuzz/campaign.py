@@ -561,7 +561,7 @@ class ShrinkBudget:
             line = f"shrinking finished in {took}"
         which = "" if self._found_in is None else f" (the leading example {self._found_in})"
         at = "" if self._found_step is None else f", at its step {self._found_step}"
-        if at and not line.startswith("shrinking skipped"):
+        if at and self._unshrunk in (None, NOT_REPEATED):  # shrinking ran, if only in part
             at += " (the steps above are the shrunk schedule's)"
         found = (
             f"first failing example: {stats.first_failure_example}{which}{at}, found after "

@@ -13,16 +13,17 @@ A failure found on kept twins is run again alone, on fresh twins. When it fails 
 is the failure reported and shrunk: its snippet replays the example alone. When it passes alone
 but the example started from weights an earlier example's update loaded, it is run again after
 that update: when it fails so, it is reported at once, unshrunk (Hypothesis knows nothing of the
-update), with a snippet that replays the update and the example. When it does not fail alone, it is run again on fresh
-twins made with the seed the kept twins were made with (the first example's; a factory may draw
-its weights from it), after a `Reset` to the example's seed: when that fails, the failure needed
-those twins, and its snippet makes them and runs the example. When it passes, every example since
-the twins were made is run again on fresh twins (each after a `Reset`): when that fails, the
-failure needed the twins' history; when it passes too, the failure did not repeat (timing: the order in
-which streams and the host ran, or what freed memory held), which the report says. Either is
-reported at once with a snippet that replays those examples, not shrunk, since Hypothesis shrinks
-one example and this one passes alone. Either way the rest of the campaign (shrinking) runs on
-fresh twins, where an example's outcome depends on that example alone.
+update), with a snippet that replays the update and the example. When it passes that way too,
+it is run again on fresh twins made with the seed the kept twins were made with (the first
+example's; a factory may draw its weights from it), after a `Reset` to the example's seed: when
+that fails, the failure needed those twins, and its snippet makes them and runs the example.
+When it passes, every example since the twins were made is run again on fresh twins (each after
+a `Reset`): when that fails, the failure needed the twins' history; when it passes too, the
+failure did not repeat (timing: the order in which streams and the host ran, or what freed
+memory held), which the report says. Either is reported at once with a snippet that replays
+those examples, not shrunk, since Hypothesis shrinks one example and this one passes alone.
+Either way the rest of the campaign (shrinking) runs on fresh twins, where an example's outcome
+depends on that example alone.
 """
 
 from __future__ import annotations
@@ -151,8 +152,9 @@ class KeptTwins:
         weights: int | None,
     ) -> None:
         """Run the failing example again alone on fresh twins, then (if it passes) after the
-        weight update it started from (if any); raise what that tells. When it passes alone, run it again on fresh twins
-        made with the seed the kept ones were made with (a factory may draw weights from it);
+        weight update it started from (if any); raise what that tells. When it passes so, run it
+        again on fresh twins made with the seed the kept ones were made with (a factory may draw
+        weights from it);
         when that passes too, run every example since the kept twins were made again, on fresh
         twins: a failure that repeats there needed the twins' history, one that does not came
         from timing."""

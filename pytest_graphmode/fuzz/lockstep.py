@@ -838,11 +838,11 @@ class Lockstep:
             where += f", {when}"
         steps = [] if batch is None else [(step, batch)]
         pipelined = []
-        at = f"step {step}"
+        failed_at = f"step {step}"
         if pair is not None:
             start = step if batch is pair[0] else step - 1
             steps = [(start, pair[0]), (start + 1, pair[1])]
-            at += f", in the pipelined pair of steps {start} and {start + 1}"
+            failed_at += f", in the pipelined pair of steps {start} and {start + 1}"
             pipelined = [
                 f"steps {start} and {start + 1} ran as a pipelined pair: step {start + 1} was "
                 f"submitted to the graph twin before anything of step {start} was read (whether "
@@ -851,7 +851,7 @@ class Lockstep:
             ]
         message = "\n".join(
             [
-                f"graphmode check {violation.check!r} failed at {at} ({where})",
+                f"graphmode check {violation.check!r} failed at {failed_at} ({where})",
                 violation.describe(),
                 *(
                     f"step {at}: {ran.num_reqs} requests, {ran.num_tokens} tokens, phase "

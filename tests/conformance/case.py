@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -151,14 +152,20 @@ def racy(be: Any, trial: Callable[[], str], shows: str, seeds: Iterable[int] = r
     return seen
 
 
+def index_copy_of_too_many_dims(be: Any) -> Callable[[], object]:
+    """An `index_copy_` whose rows have one dimension more than the table's: torch checks the
+    arguments on the host, before it queues a kernel."""
+    table = torch.zeros(6, 4, device=be.device)
+    index = torch.tensor([1, 2], device=be.device)
+    rows = torch.ones(2, 4, 1, device=be.device)
+    return lambda: table.index_copy_(0, index, rows)
+
+
 def _meta_checks_index_copy() -> bool:
     """Whether this torch's meta kernel checks the rows' dimensions of `index_copy_` (2.13's
     does, 2.11's does not)."""
-    table = torch.zeros(6, 4, device="meta")
     try:
-        table.index_copy_(
-            0, torch.tensor([1, 2], device="meta"), torch.ones(2, 4, 1, device="meta")
-        )
+        index_copy_of_too_many_dims(SimpleNamespace(device="meta"))()
     except (IndexError, RuntimeError):
         return True
     return False
@@ -174,15 +181,6 @@ UNCHECKED_INDEX_COPY = (
         "dimensions, so the sim finds the mistake when the queue runs (torch 2.13's does)"
     )
 )
-
-
-def index_copy_of_too_many_dims(be: Any) -> Callable[[], object]:
-    """An `index_copy_` whose rows have one dimension more than the table's: torch checks the
-    arguments on the host, before it queues a kernel."""
-    table = torch.zeros(6, 4, device=be.device)
-    index = torch.tensor([1, 2], device=be.device)
-    rows = torch.ones(2, 4, 1, device=be.device)
-    return lambda: table.index_copy_(0, index, rows)
 
 
 def value(be: Any, t: torch.Tensor) -> str:

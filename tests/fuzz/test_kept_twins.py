@@ -157,7 +157,7 @@ class ShiftsAdapterOne(toy.ToyTarget):
             self.adapter_shift[1] += 1.0
 
 
-def test_a_failure_after_a_weight_update_that_fails_without_it_is_shrunk() -> None:
+def test_a_failure_after_a_weight_update_that_fails_without_it_is_the_example_alone() -> None:
     adapter_one = StepPlan(kind="decode", rows=1, arrivals=(Arrival(3, adapter=1),))
     twins = KeptTwins(ShiftsAdapterOne, backend="sim", stats=CampaignStats())
     try:
