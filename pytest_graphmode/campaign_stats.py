@@ -43,6 +43,8 @@ class CampaignStats:
     # The campaign it was found in, as the plugin labels it ("campaign", "pinned seed 0"; None:
     # unlabelled): a session's first failure may be any of its campaigns'.
     first_failure_campaign: str | None = None
+    # The leading example (a fixed schedule, never shrunk) it was found in; None: a drawn one.
+    first_failure_leading: str | None = None
     shrinking: bool = False  # the failure is being shrunk now
     shrink_seconds: float = 0.0
     shrink_budget_seconds: float | None = None  # None: unbounded
@@ -135,6 +137,7 @@ class CampaignStats:
             first_failure_example=_optional(data.get("first_failure_example"), int),
             first_failure_check=_optional(data.get("first_failure_check"), str),
             first_failure_campaign=_optional(data.get("first_failure_campaign"), str),
+            first_failure_leading=_optional(data.get("first_failure_leading"), str),
             shrinking=bool(data.get("shrinking", False)),
             shrink_seconds=float(data.get("shrink_seconds", 0.0)),
             shrink_budget_seconds=_optional(data.get("shrink_budget_seconds"), float),
@@ -158,6 +161,7 @@ def _first_failure(stats: CampaignStats) -> dict[str, Any]:
         "first_failure_example": stats.first_failure_example,
         "first_failure_check": stats.first_failure_check,
         "first_failure_campaign": stats.first_failure_campaign,
+        "first_failure_leading": stats.first_failure_leading,
     }
 
 

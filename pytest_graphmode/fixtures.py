@@ -161,6 +161,13 @@ class GraphmodeFuzz:
             announced = True
             if stats.first_failure_check == NO_DEVICE_FAULT:
                 then = "not shrunk: a faulted device fails every later input"
+            elif stats.first_failure_leading is not None:
+                then = (
+                    f"not shrunk: it is the leading example {stats.first_failure_leading}, a "
+                    "fixed schedule"
+                )
+            elif not stats.shrinking:
+                then = "reporting it unshrunk"
             elif shrink_seconds > 0:
                 then = f"shrinking for up to {shrink_seconds:g} s"
             else:

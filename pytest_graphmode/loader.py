@@ -33,7 +33,8 @@ def load_factory(spec_str: str) -> TargetFactory:
         raise TargetError(
             f"cannot import module {module_name!r} of target {spec_str!r}: {exc}; "
             "check the spelling and that it is importable from the test run (installed or on "
-            "sys.path)"
+            "sys.path: `python -m pytest` puts the current directory there, a bare `pytest` only "
+            "the folders of the test and conftest.py files it loads; or set PYTHONPATH)"
         ) from exc
     factory: Any = module
     for part in attr_path.split("."):

@@ -33,6 +33,7 @@ from pytest_graphmode.settings import (
     summary_of,
     workers_per_campaign,
 )
+from pytest_graphmode.skipped import SkippedCampaigns, mark_if_skipped_campaign, skipped_lines
 
 BUILTIN_SUITE = Path(__file__).parent / "_builtin" / "suite.py"
 _WORKER_SUMMARY = "graphmode_summary"
@@ -40,6 +41,7 @@ CAMPAIGNS_PROPERTY = "graphmode_campaigns"
 """`user_properties` key of a test report: what the test's campaigns did (an xdist worker sends it
 to the controller with the report, which prints a line for the test)."""
 _RAN = pytest.StashKey[dict[str, Any]]()
+_SKIPPED = "graphmode-skipped-campaigns"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -86,6 +88,8 @@ def pytest_configure(config: pytest.Config) -> None:
             _require_cuda()
     if not config.pluginmanager.is_registered(fixtures):
         config.pluginmanager.register(fixtures, "graphmode-fixtures")
+    if config.pluginmanager.get_plugin(_SKIPPED) is None:
+        config.pluginmanager.register(SkippedCampaigns(), _SKIPPED)
     if config.pluginmanager.hasplugin("benchmark"):
         # graphmode_benchmark builds on pytest-benchmark's fixture: offered where it is installed.
         from pytest_graphmode import benchmark
@@ -175,6 +179,7 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
+    mark_if_skipped_campaign(item, report)
     if call.when == "call" and _RAN in item.stash:
         report.user_properties.append((CAMPAIGNS_PROPERTY, item.stash[_RAN]))
     if call.excinfo is not None and report.failed:
@@ -243,7 +248,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     settings = settings_of(config)
     if settings.report is not None and (settings.fuzz or summary.campaigns):
-        write_report(settings.report, summary, _run_facts(settings))
+        write_report(settings.report, summary, _run_facts(settings), _skipped(config))
     if summary.stats.failures and session.exitstatus == pytest.ExitCode.OK:
         # A gate: a failed check fails the run even where a test swallowed the exception.
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -260,10 +265,17 @@ def pytest_terminal_summary(
     checks = _check_descriptions() if summary.campaigns else {}
     for line in summary_lines(summary, checks=tuple(checks), base_seed=settings.seed):
         terminalreporter.write_line(line)
+    for line in skipped_lines(_skipped(config)):
+        terminalreporter.write_line(line)
     for line in check_glossary(summary, checks, verbose=config.get_verbosity() > 0):
         terminalreporter.write_line(line)
     if settings.report is not None:
         terminalreporter.write_line(f"report: {settings.report}")
+
+
+def _skipped(config: pytest.Config) -> dict[str, str]:
+    collector = config.pluginmanager.get_plugin(_SKIPPED)
+    return dict(collector.reasons) if isinstance(collector, SkippedCampaigns) else {}
 
 
 def _check_descriptions() -> dict[str, str]:

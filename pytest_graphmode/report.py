@@ -42,8 +42,8 @@ def summary_lines(
         f"paths: {paths}",
         f"pipelined: {stats.pipelined_steps} of {stats.steps} steps (in pairs, the second "
         f"submitted before the first was read)",
-        "buckets hit (steps per capture size their tokens pad to; 0: more tokens than the "
-        f"largest, any phase): {buckets or 'none'}",
+        "token buckets hit (steps per capture size their tokens pad to, whichever path or graph "
+        f"ran them; 0: more tokens than the largest, any phase): {buckets or 'none'}",
         f"fallback reasons: {fallback_causes(stats.fallback_reasons) or 'none'}",
         f"checks run: {_counts(stats.checks_run) or 'none'}",
         f"graph keys replayed (steps per key): {_most(stats.graph_keys) or 'none'}",
@@ -164,21 +164,36 @@ def campaign_line(nodeid: str, data: Mapping[str, Any]) -> str:
 
 
 def _first_failure_line(stats: CampaignStats) -> str:
-    if stats.shrink_stopped_by_budget:
-        shrunk = f"stopped at its {stats.shrink_budget_seconds or 0.0:g} s budget"
+    if stats.first_failure_leading is not None:
+        shrunk = f"not shrunk: it is the leading example {stats.first_failure_leading}"
+    elif stats.shrink_stopped_by_budget:
+        shrunk = (
+            f"shrinking stopped at its {stats.shrink_budget_seconds or 0.0:g} s budget after "
+            f"{stats.shrink_seconds:.1f} s"
+        )
     else:
-        shrunk = "finished"
+        shrunk = f"shrinking finished after {stats.shrink_seconds:.1f} s"
     found_in = "" if stats.first_failure_campaign is None else f" of {stats.first_failure_campaign}"
     return (
         f"first failure: {stats.first_failure_check} at example {stats.first_failure_example}"
-        f"{found_in} after {stats.first_failure_seconds or 0.0:.1f} s; shrinking {shrunk} after "
-        f"{stats.shrink_seconds:.1f} s"
+        f"{found_in} after {stats.first_failure_seconds or 0.0:.1f} s; {shrunk}"
     )
 
 
-def write_report(path: Path, summary: SessionSummary, run: Mapping[str, Any]) -> None:
-    """Write the JSON report: how the run was configured (`run`) and what it found."""
-    document = {"version": REPORT_VERSION, "run": dict(run), **summary.to_json()}
+def write_report(
+    path: Path,
+    summary: SessionSummary,
+    run: Mapping[str, Any],
+    skipped: Mapping[str, str] | None = None,
+) -> None:
+    """Write the JSON report: how the run was configured (`run`), what it found, and which
+    campaign tests it skipped and why (`skipped`: test id -> reason)."""
+    document = {
+        "version": REPORT_VERSION,
+        "run": dict(run),
+        **summary.to_json(),
+        "skipped_campaigns": dict(skipped or {}),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n")
 

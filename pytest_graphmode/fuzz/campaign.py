@@ -477,6 +477,7 @@ class ShrinkBudget:
         self._found_at = time.perf_counter()
         self._unshrunk = unshrunk
         self._found_in = self.leading
+        self._stats.first_failure_leading = self.leading
         # the step of the example as found; the failure's own step is the shrunk schedule's
         found_step = error.failure.step if isinstance(error, GraphmodeFailure) else None
         self._found_step = None if found_step == MADE_TWINS else found_step
@@ -489,7 +490,7 @@ class ShrinkBudget:
             stats.first_failure_check = NO_DEVICE_FAULT
         else:
             stats.first_failure_check = type(error).__name__
-        stats.shrinking = True
+        stats.shrinking = unshrunk is None  # a failure it never shrinks is reported as found
         self.report()
 
     @property

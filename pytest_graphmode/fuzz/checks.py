@@ -135,7 +135,7 @@ def replay_matches_eager(
         return [
             _row_violation(
                 name,
-                f"graph logit {col} differs from eager beyond tolerance {tol[row]:.3g}",
+                f"graph logit of token {col} differs from eager beyond tolerance {tol[row]:.3g}",
                 batch,
                 row,
                 f"{float(e[row, col])!r}",

@@ -23,7 +23,13 @@ class Violation:
     def describe(self) -> str:
         where = [
             f"{name}={value}"
-            for name, value in (("req_id", self.req_id), ("row", self.row), ("slot", self.slot))
+            # "batch_row": the request's row in the batch, which a runner that keeps requests in
+            # slots of its own may replay at another row of its graph.
+            for name, value in (
+                ("req_id", self.req_id),
+                ("batch_row", self.row),
+                ("slot", self.slot),
+            )
             if value is not None
         ]
         lines = [self.detail]

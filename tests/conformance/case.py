@@ -101,6 +101,7 @@ def settle(be: Any) -> None:
         # A failed capture may leave its side stream current; later eager work must not run there.
         torch.cuda.set_stream(torch.cuda.default_stream())
         torch.cuda.synchronize()
+        _repair_default_generator()  # before emptying the cache: its draw allocates
         torch.cuda.empty_cache()
     else:
         # A failed case may leave more queued work that fails the same way: each failing item
@@ -113,6 +114,22 @@ def settle(be: Any) -> None:
                 continue
     be.set_scheduler_seed(0)
     torch.manual_seed(0)
+
+
+def _repair_default_generator() -> None:
+    """A capture that drew random numbers and then failed leaves the default generator counting
+    an offset inside a graph that never ended: torch then refuses every draw outside a capture
+    ("Offset increment outside graph capture encountered unexpectedly") for the rest of the
+    process, so every later case that draws would show that instead of its own outcome. A fresh
+    generator state puts it back."""
+    try:
+        torch.rand(1, device="cuda")
+    except RuntimeError as error:
+        if "outside graph capture" not in str(error):
+            raise
+        fresh = torch.Generator(device="cuda")
+        default = torch.cuda.default_generators[torch.cuda.current_device()]
+        default.graphsafe_set_state(fresh.graphsafe_get_state())
 
 
 def busy(be: Any) -> None:

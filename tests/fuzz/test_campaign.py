@@ -281,6 +281,25 @@ def test_shrinking_leaves_a_single_step_of_batch_literals(pipelined: bool):
     assert (named in caught.value.failure.message) == pipelined
     # and the step of the example as found, which a shrunk schedule's own step need not be
     assert ", at its step " in caught.value.failure.message.splitlines()[-1]
+    # the counts say so too, from the moment it is found: no shrinking to wait for
+    stats = caught.value.stats
+    assert stats is not None
+    assert stats.first_failure_leading == ("first_pair" if pipelined else None)
+    assert stats.to_json()["first_failure_leading"] == stats.first_failure_leading
+
+
+def test_a_failure_in_a_leading_example_is_never_counted_as_shrinking():
+    seen: list[tuple[str | None, bool]] = []
+
+    def progress(stats: CampaignStats) -> None:
+        if stats.first_failure_check is not None:
+            seen.append((stats.first_failure_leading, stats.shrinking))
+
+    with pytest.raises(GraphmodeFailure):
+        run_campaign(
+            toy.factory(["drift"]), max_examples=10, max_steps=3, seed=1, progress=progress
+        )
+    assert seen and set(seen) == {("first_pair", False)}
 
 
 def test_a_failure_drawn_from_the_global_generator_replays_with_the_same_values():

@@ -41,10 +41,14 @@ def be() -> Iterator[Backend]:
 
 
 def _staged(be, value):
-    """A pinned staging buffer filled with `value` and a zeroed device buffer of the same size."""
+    """A pinned staging buffer filled with `value` and a zeroed device buffer of the same size,
+    zeroed before the test's copy: a copy on another stream does not wait for the zeroing, which
+    on a busy GPU (other test processes) could otherwise land after it."""
     staging = be.empty_pinned(WORDS)
     staging.fill_(value)
-    return staging, torch.zeros(WORDS, device=be.device)
+    device = torch.zeros(WORDS, device=be.device)
+    be.synchronize()
+    return staging, device
 
 
 def test_a_staging_buffer_rewritten_before_its_upload_on_a_copy_stream_ran_is_read_late(be):

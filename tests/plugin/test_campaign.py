@@ -135,7 +135,7 @@ def test_passing_campaign_exits_zero_with_the_summary(passing_run: Run) -> None:
             "*= graphmode fuzz summary =*",
             "campaigns: 1  examples: 2  steps: *",
             "paths: full *  piecewise 0  eager *",
-            "buckets hit (*): 1: *",
+            "token buckets hit (*): 1: *",
             "fallback reasons: *",
             "checks run: *replay_matches_eager: *",
             "failures: 0",
@@ -195,7 +195,7 @@ def test_the_first_failure_is_announced_before_it_is_shrunk(broken_run: Run) -> 
     broken_run.fnmatch_lines(
         [
             "graphmode campaign: check 'replay_matches_eager' failed at example * after * s; "
-            "shrinking for up to 20 s",
+            "not shrunk: it is the leading example first_pair, a fixed schedule",
             "*_ test_campaign _*",
         ]
     )
@@ -209,8 +209,8 @@ def test_summary_lists_the_failure(broken_run: Run) -> None:
             "  FAILED replay_matches_eager at step 0 (replay seed *): graphmode check*",
             "  (run a failure's replay snippet to reproduce it alone, or --graphmode-seed=1 to "
             "rerun every campaign; the replay seed is the one its snippet passes to `replay`)",
-            "first failure: replay_matches_eager at example * of campaign after * s; shrinking "
-            "finished after * s",
+            "first failure: replay_matches_eager at example * of campaign after * s; not shrunk: "
+            "it is the leading example first_pair",
             "what the checks prove:",
             "  replay_matches_eager: Graph logits match eager within tolerance*",
             "(-v explains every check)",

@@ -100,9 +100,10 @@ def test_the_mutants_failure_is_announced_reported_and_summarised(mutant_run: Ru
     mutant_run.lines.fnmatch_lines(
         [
             f"graphmode campaign: check '{check}' failed at example * after * s; "
-            "shrinking for up to 5 s",
+            "not shrunk: it is the leading example *, a fixed schedule",
             f"graphmode check '{check}' failed at step *",
-            "first failing example: *, found after * s; shrinking *",
+            "first failing example: * (the leading example *), at its step *, found after * s; "
+            "shrinking skipped*",
         ]
     )
     # Never "examples: 0, steps: 0": every count up to the failure is kept.
@@ -112,8 +113,8 @@ def test_the_mutants_failure_is_announced_reported_and_summarised(mutant_run: Ru
             rf"checks run: .*{check}: [1-9]\d*.*",
             r"failures: 1",
             rf"  FAILED {check} at step \d+ .*",
-            rf"first failure: {check} at example [1-9]\d* of campaign after .* s; shrinking .* "
-            r"after .* s",
+            rf"first failure: {check} at example [1-9]\d* of campaign after .* s; not shrunk: it "
+            r"is the leading example \w+",
         ]
     )
 
@@ -127,6 +128,20 @@ def test_the_suites_later_campaigns_are_skipped_naming_the_failure(mutant_run: R
             "*= 1 failed, 1 passed, 2 skipped in *",
         ]
     )
+    # the summary says which of pytest's skips are campaigns, and why
+    mutant_run.lines.fnmatch_lines(
+        [
+            "campaigns skipped: 2 (pytest counts each as a skipped test)",
+            "  test_campaign_pinned_scheduler_seed[[]0[]], test_campaign_pinned_scheduler_seed[[]1[]]: "
+            f"{EARLIER_FAILED.removeprefix('*: ')}campaign failed check "
+            f"'{buffer_rebound.EXPECTED_CHECK}' at step *",
+        ]
+    )
+    skipped = mutant_run.report["skipped_campaigns"]
+    assert isinstance(skipped, dict) and sorted(k.rpartition("::")[2] for k in skipped) == [
+        "test_campaign_pinned_scheduler_seed[0]",
+        "test_campaign_pinned_scheduler_seed[1]",
+    ]
 
 
 def test_the_report_keeps_the_counts_and_the_first_failure(mutant_run: Run) -> None:

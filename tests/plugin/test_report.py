@@ -16,6 +16,7 @@ from pytest_graphmode.report import (
     summary_lines,
     write_report,
 )
+from pytest_graphmode.skipped import skipped_lines
 
 
 def campaign(**overrides: Any) -> CampaignStats:
@@ -93,8 +94,8 @@ def test_summary_lines_show_paths_buckets_reasons_checks_and_failures() -> None:
         "campaigns: 1  examples: 3  steps: 20  time: 1.5 s",
         "paths: full 15  piecewise 0  eager 5",
         "pipelined: 6 of 20 steps (in pairs, the second submitted before the first was read)",
-        "buckets hit (steps per capture size their tokens pad to; 0: more tokens than the "
-        "largest, any phase): 2: 3, 16: 1",
+        "token buckets hit (steps per capture size their tokens pad to, whichever path or graph "
+        "ran them; 0: more tokens than the largest, any phase): 2: 3, 16: 1",
         "fallback reasons: prefill: 5",
         "checks run: replay_matches_eager: 20",
         "graph keys replayed (steps per key): ('decode', 2): 11, ('decode', 1): 4",
@@ -312,3 +313,44 @@ def test_graph_keys_survive_json_and_add_up() -> None:
     summary = SessionSummary(1, one)
     summary.merge(SessionSummary.from_json(SessionSummary(1, one).to_json()))
     assert summary.stats.graph_keys == {"('decode', 4)": 6}
+
+
+@pytest.mark.parametrize(
+    ("found", "said"),
+    [
+        (
+            {"first_failure_leading": "first_partial_bucket"},
+            "not shrunk: it is the leading example first_partial_bucket",
+        ),
+        (
+            {"shrink_stopped_by_budget": True, "shrink_budget_seconds": 5.0, "shrink_seconds": 5.2},
+            "shrinking stopped at its 5 s budget after 5.2 s",
+        ),
+        ({"shrink_seconds": 1.25}, "shrinking finished after 1.2 s"),
+    ],
+)
+def test_the_first_failure_line_says_whether_and_how_long_it_was_shrunk(
+    found: dict[str, Any], said: str
+) -> None:
+    stats = campaign(
+        first_failure_check="replay_matches_eager",
+        first_failure_example=3,
+        first_failure_seconds=1.0,
+        **found,
+    )
+    line = next(line for line in summary_lines(SessionSummary(1, stats)) if "first fail" in line)
+    assert line == f"first failure: replay_matches_eager at example 3 after 1.0 s; {said}"
+
+
+def test_skipped_campaigns_are_counted_and_grouped_by_reason() -> None:
+    reasons = {
+        "suite.py::test_campaign_pinned_scheduler_seed[0]": "not run twice",
+        "suite.py::test_campaign_pinned_scheduler_seed[1]": "an earlier campaign failed",
+        "suite.py::test_other_campaign": "an earlier campaign failed",
+    }
+    assert skipped_lines(reasons) == [
+        "campaigns skipped: 3 (pytest counts each as a skipped test)",
+        "  test_campaign_pinned_scheduler_seed[0]: not run twice",
+        "  test_campaign_pinned_scheduler_seed[1], test_other_campaign: an earlier campaign failed",
+    ]
+    assert skipped_lines({}) == []

@@ -329,6 +329,34 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     # a padding row takes the lowest sequence slot the batch does not hold, which may be a request
     # sitting the step out: its random stream moves on, and it samples otherwise when it returns
     "padding_advances_absent_rng": "replay_matches_eager",
+    # a verify graph captured right after an eager prefill records the prefill's ragged kernel,
+    # which reads the plan that prefill left, at every replay
+    "verify_capture_takes_prefill_fallback": "replay_matches_eager",
+    # a graph's output freed after capture: the next graph's offsets, written once, land on it and
+    # every replay of the first graph overwrites them
+    "graph_output_weak_ref": "replay_matches_eager",
+    # the graphs' block tables as wide as the warm-up prompt: a longer context does not fit
+    "warmup_block_table_width": "replay_matches_eager",
+    # the step that captures a graph replays it after the warm-up: the live batch's recurrent
+    # state advances twice
+    "capture_step_state_advanced_twice": "replay_matches_eager",
+    # penalty history uploaded in batch order and read by slot: a hole in the slot grid gives a
+    # request another one's history
+    "penalty_history_packed_not_scattered": "replay_matches_eager",
+    # the padding request of a padded speculative step has no row in the hidden-state pool: the
+    # host's lookup of its row raises
+    "mtp_padding_dummy_unregistered": "replay_matches_eager",
+    # one pinned mask rewritten for the next step before the last step's upload of it ran
+    "mm_embed_mask_single_pinned": "no_stream_races",
+    # the sampler's per-step tensors taken for static inputs by their names: every replay samples
+    # with the recording batch's seeds and temperatures
+    "static_inputs_by_name": "replay_matches_eager",
+    # the tile plan made once, by the warm-up before the capture: every replay reads its rows'
+    # context only as far as the warm-up's dummy lengths planned
+    "flashmla_lazy_plan_warmup": "replay_matches_eager",
+    # the indexer's short-context shortcut taken at capture on dummy lengths: every verify replay
+    # attends to the first k positions
+    "nsa_indexer_skip_baked": "replay_matches_eager",
 }
 # Caught while the twins are made, before step 0: the capture at start-up is refused (the side
 # stream's work outside the capture allocates; a draw from a generator the graph did not
@@ -439,15 +467,11 @@ ON_CUDA["query_start_padding_stale"] = ("replay_matches_eager", "padding_inert")
 NOT_SHOWN_ON_CUDA = {"placeholder_substitution"}
 # Not yet run on a GPU. Their correct runners run there.
 NOT_YET_ON_CUDA: set[str] = {
-    "deepep_mode_flip_skipped",
-    "mamba_group_metadata_reused",
-    "split_kv_chunk_search_empty_rows",
-    "layerwise_kv_save_in_full_graph",
-    "whisper_first_step_graphed",
-    "gdn_sorted_state_indices_cached",
-    "empty_splitting_ops_piecewise",
-    "fa3_schedule_planned_unpadded",
-    "padding_advances_absent_rng",
+    "mtp_padding_dummy_unregistered",
+    "mm_embed_mask_single_pinned",
+    "static_inputs_by_name",
+    "flashmla_lazy_plan_warmup",
+    "nsa_indexer_skip_baked",
 }
 # Races the sim reports when the twins are made, from its race checker; on a GPU only a value
 # can show them, in a step (the routed experts reading the shared expert's output through the
@@ -485,6 +509,8 @@ ON_CUDA["mamba_group_metadata_reused"] = ("replay_matches_eager", "no_device_fau
 # still the warm-up's slots, which leave a request's state unwritten.
 ON_CUDA["gdn_sorted_state_indices_cached"] = RACE_ON_CUDA
 ON_CUDA["sibling_slot_gather"] = ("replay_matches_eager", "padding_inert")
+# The overwritten offsets are indices: an exception on sim, a device-side assert on a GPU.
+ON_CUDA["graph_output_weak_ref"] = ("replay_matches_eager", "no_device_fault")
 LEADING = len(campaign_module._LEADING)  # the campaign's fixed leading examples
 # vLLM's start-up profiling asserts that the GPU's free memory did not rise while it profiled,
 # which another process freeing memory on the same GPU breaks: on a GPU shared by eight pytest
