@@ -17,7 +17,7 @@ from pytest_graphmode.campaign_stats import CampaignStats
 from pytest_graphmode.contract import GraphTarget, TargetFactory
 from pytest_graphmode.failure import GraphmodeFailure
 from pytest_graphmode.loader import TargetError, check_target
-from pytest_graphmode.report import progress_line
+from pytest_graphmode.report import leading_unshrunk, progress_line
 from pytest_graphmode.settings import (
     FAILED_CAMPAIGN_KEY,
     TWINS_CHECKED_KEY,
@@ -162,13 +162,8 @@ class GraphmodeFuzz:
             if stats.first_failure_check == NO_DEVICE_FAULT:
                 then = "not shrunk: a faulted device fails every later input"
             elif stats.first_failure_leading is not None:
-                then = (
-                    f"not shrunk: it is the leading example {stats.first_failure_leading}, a "
-                    "fixed schedule"
-                )
-            elif not stats.shrinking:
-                then = "reporting it unshrunk"
-            elif shrink_seconds > 0:
+                then = f"{leading_unshrunk(stats.first_failure_leading)}, a fixed schedule"
+            elif stats.shrinking and shrink_seconds > 0:
                 then = f"shrinking for up to {shrink_seconds:g} s"
             else:
                 then = "reporting it unshrunk"

@@ -163,9 +163,15 @@ def campaign_line(nodeid: str, data: Mapping[str, Any]) -> str:
     )
 
 
+def leading_unshrunk(name: str) -> str:
+    """What the summary and the announcement of a failure say of one found in the leading
+    example `name`, which is never shrunk."""
+    return f"not shrunk: it is the leading example {name}"
+
+
 def _first_failure_line(stats: CampaignStats) -> str:
     if stats.first_failure_leading is not None:
-        shrunk = f"not shrunk: it is the leading example {stats.first_failure_leading}"
+        shrunk = leading_unshrunk(stats.first_failure_leading)
     elif stats.shrink_stopped_by_budget:
         shrunk = (
             f"shrinking stopped at its {stats.shrink_budget_seconds or 0.0:g} s budget after "

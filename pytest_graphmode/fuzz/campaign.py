@@ -448,7 +448,6 @@ class ShrinkBudget:
         # The name of the campaign's leading example running (None: a drawn one). Hypothesis
         # runs them as explicit examples: a failure there is reported as found, never shrunk.
         self.leading: str | None = None
-        self._found_in: str | None = None  # the leading example the first failure was found in
         self._found_step: int | None = None  # the step of that example it failed at, as found
         self._unshrunk: str | None = None  # why the first failure is not shrunk, if it is not
         self._lock = threading.Lock()  # progress runs on the ticker thread too
@@ -476,7 +475,6 @@ class ShrinkBudget:
             return
         self._found_at = time.perf_counter()
         self._unshrunk = unshrunk
-        self._found_in = self.leading
         self._stats.first_failure_leading = self.leading
         # the step of the example as found; the failure's own step is the shrunk schedule's
         found_step = error.failure.step if isinstance(error, GraphmodeFailure) else None
@@ -560,7 +558,8 @@ class ShrinkBudget:
             )
         else:
             line = f"shrinking finished in {took}"
-        which = "" if self._found_in is None else f" (the leading example {self._found_in})"
+        leading = stats.first_failure_leading
+        which = "" if leading is None else f" (the leading example {leading})"
         at = "" if self._found_step is None else f", at its step {self._found_step}"
         if at and self._unshrunk in (None, NOT_REPEATED):  # shrinking ran, if only in part
             at += " (the steps above are the shrunk schedule's)"
