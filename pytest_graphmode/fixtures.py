@@ -66,6 +66,7 @@ class GraphmodeFuzz:
         settings: HypothesisSettings | None = None,
         label: str = "campaign",
         seconds: float | None = None,
+        leading: bool | None = None,
     ) -> CampaignStats:
         from pytest_graphmode.fuzz import run_campaign
         from pytest_graphmode.fuzz.isolation import can_isolate, isolates, run_isolated
@@ -119,6 +120,7 @@ class GraphmodeFuzz:
                 # Arguments of the call, not of a partial: helper campaigns get them too.
                 shrink_seconds=run.shrink_seconds,
                 cpu_threads=run.cpu_threads,
+                leading=run.leading if leading is None else leading,
             )
         except BaseException as ended:
             if stats.first_failure_check is not None:

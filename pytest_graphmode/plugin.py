@@ -138,6 +138,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
         )
         + f" steps={settings.steps}"
         + (f" ranks={settings.ranks}" if settings.ranks > 1 else "")
+        + ("" if settings.leading else " leading=off")
         # Only where a campaign can take helpers: a time budget, one rank.
         + (
             f" workers={workers_per_campaign(settings, settings.seconds)}"
@@ -317,6 +318,7 @@ def _run_facts(settings: GraphmodeSettings) -> dict[str, Any]:
         "shrink_seconds": settings.shrink_seconds,
         "isolate": settings.isolate_option,
         "cpu_threads": settings.cpu_threads,
+        "leading": settings.leading,
         "workers": workers_per_campaign(settings, settings.seconds),
     }
 

@@ -54,6 +54,7 @@ DEFAULT_SHRINK_SECONDS = 20.0
 DEFAULT_CPU_THREADS = 1
 """torch's intra-op CPU threads during a campaign (fuzz/campaign_process.py says why 1)."""
 ISOLATE = ("auto", "on", "off")
+LEADING = ("on", "off")
 WORKER_SEED = "graphmode_seed"
 """The xdist controller's base seed, handed to every worker in `workerinput`."""
 
@@ -101,6 +102,11 @@ OPTIONS: dict[str, tuple[str, str]] = {
         "factory a child process cannot import). A campaign asked for a count of examples, or "
         "with --graphmode-ranks above 1, runs in one process",
     ),
+    "leading": (
+        "{on,off}",
+        "run each campaign's leading examples, fixed schedules, before its drawn ones (default "
+        "on; off: every example drawn, to see what drawn schedules reach on their own)",
+    ),
     "isolate": (
         "{auto,on,off}",
         "run each campaign in a child process, so that a device fault is reported as a failure "
@@ -134,6 +140,8 @@ class GraphmodeSettings:
     workers: int | None = None
     # the run's campaigns are spread over pytest-xdist workers (on the controller or a worker)
     distributed: bool = False
+    # each campaign runs its leading examples (fixed schedules) before the drawn ones
+    leading: bool = True
 
     @cached_property
     def backend(self) -> str:
@@ -213,6 +221,11 @@ def resolve(config: pytest.Config) -> GraphmodeSettings:
         raise pytest.UsageError(
             f"--graphmode-isolate / graphmode_isolate: {isolate!r} is not one of {ISOLATE}"
         )
+    leading = raw["leading"] or "on"
+    if leading not in LEADING:
+        raise pytest.UsageError(
+            f"--graphmode-leading / graphmode_leading: {leading!r} is not one of {LEADING}"
+        )
     chosen = PROFILES[profile]
     # A count asked for is a count run: the profile's time budget then no longer applies.
     seconds = chosen.seconds if raw["examples"] is None else None
@@ -248,6 +261,7 @@ def resolve(config: pytest.Config) -> GraphmodeSettings:
         cpu_threads=_cpu_threads(raw["cpu_threads"]),
         workers=_workers(raw["workers"], seconds, ranks),
         distributed=workerinput is not None or bool(getattr(config.option, "numprocesses", None)),
+        leading=leading == "on",
     )
 
 

@@ -6,14 +6,15 @@ Public API (stable; the pytest plugin is built on it):
 
 - `run_campaign(factory, *, backend="sim", max_examples=50, max_steps=12, seed=None,
   features=None, progress=None, settings=None, stats=None, shrink_seconds=None,
-  on_example=None, pipelined=True, seconds=None, cpu_threads=1, stop=None) -> CampaignStats`:
+  on_example=None, pipelined=True, seconds=None, cpu_threads=1, stop=None, leading=True)
+  -> CampaignStats`:
   Hypothesis draws schedules of legal batches and stressors (with pipelined pairs unless
   `pipelined=False`, the first twelve examples then being fixed: the simplest pipelined pairs
   (`first_pair`), `first_phase_change`, `first_partial_bucket`, `first_front_departure`,
   `first_stale_tail`, `first_handover`, `first_stream_sweep`,
   `first_tokens_past_the_largest_graph`, `first_capture_on_long_contexts`,
   `first_graph_stream_sweep`, `first_return_after_preemption` and
-  `first_return_after_padded_steps`; each schedule
+  `first_return_after_padded_steps`, which `leading=False` leaves out; each schedule
   switches a random part of the features and stressors off, `strategies/swarm.py`), run on twins
   kept across examples (`kept_twins.py`, docs/contract.md "Kept twins");
   the first failure is shrunk to its smallest schedule (within `shrink_seconds`, when given) and

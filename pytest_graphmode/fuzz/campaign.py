@@ -144,6 +144,7 @@ def run_campaign(
     seconds: float | None = None,
     cpu_threads: int | None = DEFAULT_CPU_THREADS,
     stop: Callable[[], bool] | None = None,
+    leading: bool = True,
 ) -> CampaignStats:
     """Fuzz `factory`'s targets; return the statistics, or raise `GraphmodeFailure` (carrying
     them as `.stats`) for the first failure, shrunk to its smallest schedule.
@@ -178,6 +179,9 @@ def run_campaign(
     (`first_graph_stream_sweep`), then a preempted request coming back beside one that took its
     blocks, and decoding on a graph (`first_return_after_preemption`), then a sampled request
     back from sitting out padded replays (`first_return_after_padded_steps`).
+    `leading=False` leaves those fixed schedules out: every example is drawn, which shows what the
+    drawn schedules reach on their own (they are left out too where `settings` has no explicit
+    phase).
     `seconds` is a time budget: once that many seconds have passed since the
     campaign started, no new example starts and the campaign ends as passed (a failure found before
     is shrunk as always, within `shrink_seconds`); `max_examples` still caps the count.
@@ -198,12 +202,12 @@ def run_campaign(
     # Under a time budget the example count is only a cap: "N of M" would say nothing.
     stats.planned_examples = 0 if seconds is not None else chosen.max_examples
     stats.time_budget_seconds = seconds
-    leading, leading_names, fresh_at = (
+    fixed, leading_names, fresh_at = (
         _leading_schedules(spec)
-        if pipelined and hypothesis.Phase.explicit in chosen.phases
+        if pipelined and leading and hypothesis.Phase.explicit in chosen.phases
         else ([], [], None)
     )
-    leading = leading[: chosen.max_examples]
+    fixed = fixed[: chosen.max_examples]
     stats.shrink_budget_seconds = shrink_seconds
     budget = ShrinkBudget(stats, started, shrink_seconds, progress)
     twins = KeptTwins(factory, backend=backend, stats=stats)
@@ -215,7 +219,7 @@ def run_campaign(
         heap.catch_up()
         events = compile_schedule(spec, plans, seed=example_seed)
         # explicit examples run first
-        budget.leading = leading_names[stats.examples] if stats.examples < len(leading) else None
+        budget.leading = leading_names[stats.examples] if stats.examples < len(fixed) else None
         fresh = budget.leading is not None and stats.examples == fresh_at
         stats.examples += 1
         if budget.found:
@@ -249,11 +253,11 @@ def run_campaign(
             example_seed=st.integers(0, 2**31 - 1),
         )(example)
         run_settings = hypothesis.settings(chosen, max_examples=examples)
-        if leading and run == 0:
-            run_settings = _after_leading_examples(run_settings, len(leading))
+        if fixed and run == 0:
+            run_settings = _after_leading_examples(run_settings, len(fixed))
             seeds = random.Random(seed)  # seed None: random ones
             # Hypothesis runs the explicit example applied last first.
-            for plans, example_seed in reversed([(p, seeds.randrange(2**31)) for p in leading]):
+            for plans, example_seed in reversed([(p, seeds.randrange(2**31)) for p in fixed]):
                 drawn = hypothesis.example(plans=plans, example_seed=example_seed)(drawn)
         test = run_settings(drawn)
         return seeded(test, seed, run)

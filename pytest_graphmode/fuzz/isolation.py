@@ -94,6 +94,7 @@ def run_isolated(
     cpu_threads: int | None = DEFAULT_CPU_THREADS,
     check_twins_first: bool = False,
     stop: Callable[[], bool] | None = None,
+    leading: bool = True,
 ) -> CampaignStats:
     """`run_campaign` with the same arguments, run in a child process; a child that faults or
     dies is a `GraphmodeFailure` of `no_device_fault`. `factory` must pickle (`can_isolate`).
@@ -119,6 +120,7 @@ def run_isolated(
         shrink_seconds=shrink_seconds,
         seconds=seconds,
         cpu_threads=cpu_threads,
+        leading=leading,
     )
     started = time.perf_counter()
     child = start_child(factory, arguments, check_twins_first, stats)

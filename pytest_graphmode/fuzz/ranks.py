@@ -372,13 +372,17 @@ def run_rank_campaign(
     seconds: float | None = None,
     shrink_seconds: float | None = None,
     cpu_threads: int | None = DEFAULT_CPU_THREADS,
+    leading: bool = True,
 ) -> CampaignStats:
     """`run_campaign` over `ranks` data-parallel ranks: every check of one rank on every rank,
     plus the checks of `registry.RANK_CHECKS`: `ranks_agree` (every rank runs the same graph at
     every step) and `ranks_arrive` (no collective hangs for `timeout` seconds). Statistics count
     the steps of every rank; `stats`, when given, is counted into as in `run_campaign`, and so are
     the time budget `seconds`, the limit on shrinking `shrink_seconds` (a shrink step of a
-    hanging rank costs `timeout`) and torch's CPU threads `cpu_threads`, here in every rank."""
+    hanging rank costs `timeout`) and torch's CPU threads `cpu_threads`, here in every rank.
+    Every example of a rank campaign is drawn: it has no leading examples for `leading=False` to
+    leave out (the argument is taken so that one set of options serves both kinds of campaign)."""
+    del leading  # nothing to leave out: see the docstring
     spec = campaign_spec(factory, backend, features)
     stats = CampaignStats() if stats is None else stats
     stats.time_budget_seconds = seconds

@@ -29,6 +29,7 @@ from pytest_graphmode.strategies.schedules import (
     first_front_departure,
     first_graph_stream_sweep,
     first_handover,
+    first_pair,
     first_partial_bucket,
     first_phase_change,
     first_return_after_padded_steps,
@@ -286,6 +287,30 @@ def test_shrinking_leaves_a_single_step_of_batch_literals(pipelined: bool):
     assert stats is not None
     assert stats.first_failure_leading == ("first_pair" if pipelined else None)
     assert stats.to_json()["first_failure_leading"] == stats.first_failure_leading
+
+
+@pytest.mark.parametrize("leading", [True, False])
+def test_leading_false_draws_every_example(leading: bool):
+    """The bug the first leading example finds is found by a drawn example without them."""
+    seen: list[list[Batch | Stress]] = []
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(
+            toy.factory(["drift"]),
+            max_examples=10,
+            max_steps=3,
+            seed=1,
+            leading=leading,
+            on_example=lambda _, events: seen.append(events),
+        )
+    stats = caught.value.stats
+    assert stats is not None
+    assert stats.first_failure_leading == ("first_pair" if leading else None)
+    assert ("leading example" in caught.value.failure.message) == leading
+    # the first example is the simplest pipelined pair, or drawn: Hypothesis starts a run with
+    # the smallest schedule it can draw, a single step
+    assert sum(isinstance(e, Batch) for e in seen[0]) == (
+        len(first_pair(toy.SPEC)) if leading else 1
+    )
 
 
 def test_a_failure_in_a_leading_example_is_never_counted_as_shrinking():

@@ -101,6 +101,17 @@ def test_a_failed_check_in_the_child_is_raised_as_it_is() -> None:
     assert caught.value.stats.failures == [caught.value.failure]
 
 
+@pytest.mark.parametrize("leading", [True, False])
+def test_the_child_runs_the_leading_examples_as_asked(leading: bool) -> None:
+    drifting = partial(toy.ToyTarget, bugs=frozenset({"drift"}))
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_isolated(
+            drifting, max_examples=10, max_steps=3, seed=1, shrink_seconds=0, leading=leading
+        )
+    assert caught.value.stats is not None
+    assert caught.value.stats.first_failure_leading == ("first_pair" if leading else None)
+
+
 def test_running_out_of_device_memory_in_the_child_is_raised_as_such() -> None:
     with pytest.raises(CampaignOutOfMemory, match="ran out of device memory") as caught:
         run_isolated(out_of_memory_target.graph_twins, max_examples=10, max_steps=3, seed=1)

@@ -12,7 +12,8 @@ directory (so only the built-in suite runs; the checkout is put on PYTHONPATH fo
         --graphmode-backend=sim --graphmode-seed=S -p no:xdist -p no:randomly
         --graphmode-report=REPORT
 
-(`--backend cuda` runs the same command with `--graphmode-backend=cuda`.)
+(`--backend cuda` runs the same command with `--graphmode-backend=cuda`; `--pytest-option` adds an
+option to it: `--pytest-option=--graphmode-leading=off` measures what drawn schedules find alone.)
 
 Each checkout needs an interpreter that imports it: its own virtual environment, or, for a plain
 source tree run by this repository's interpreter, the tree's `strategies/`, `runtime/` and
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -67,9 +69,15 @@ class Detection:
 
 
 def detect(
-    checkout: Checkout, mutant: str, seed: int, timeout: float, backend: str = "sim"
+    checkout: Checkout,
+    mutant: str,
+    seed: int,
+    timeout: float,
+    backend: str = "sim",
+    options: Sequence[str] = (),
 ) -> Detection:
-    """One `pytest --graphmode-fuzz` run of `checkout` against `mutant` on `backend`."""
+    """One `pytest --graphmode-fuzz` run of `checkout` against `mutant` on `backend`, with the
+    pytest `options` added (`--graphmode-leading=off`, say)."""
     with tempfile.TemporaryDirectory(prefix="graphmode-detection-") as empty:
         report = Path(empty) / "report.json"
         command = [
@@ -87,6 +95,7 @@ def detect(
             f"--graphmode-backend={backend}",
             f"--graphmode-seed={seed}",
             f"--graphmode-report={report}",
+            *options,
         ]
         started = time.perf_counter()
         try:
@@ -255,6 +264,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--json", type=Path, help="also write every run to this JSON file")
     parser.add_argument("--backend", choices=("sim", "cuda"), default="sim")
+    parser.add_argument(
+        "--pytest-option",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="add OPTION to every pytest run (repeatable), e.g. --pytest-option=--graphmode-leading=off",
+    )
     args = parser.parse_args(argv)
     checkouts = [
         Checkout(label, str(Path(python).absolute()), Path(directory).absolute())
@@ -267,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     for mutant in mutants:
         for seed in range(args.seeds):
             for checkout in checkouts:
-                run = detect(checkout, mutant, seed, args.timeout, args.backend)
+                run = detect(checkout, mutant, seed, args.timeout, args.backend, args.pytest_option)
                 runs.append(run)
                 print(json.dumps(asdict(run)), file=sys.stderr, flush=True)
                 if args.json is not None:

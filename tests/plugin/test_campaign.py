@@ -233,6 +233,7 @@ def test_json_report_holds_the_run_and_its_results(broken_run: Run) -> None:
         "shrink_seconds": 20.0,
         "isolate": "auto",
         "cpu_threads": 1,
+        "leading": True,
         "workers": 1,  # a count of examples runs in one process
     }
     assert report["campaigns"] == 1

@@ -22,6 +22,7 @@ OPTIONS = (
     "isolate",
     "seconds",
     "workers",
+    "leading",
 )
 
 
@@ -104,6 +105,7 @@ def test_cuda_marked_test_is_skipped_with_a_reason_without_a_gpu(
         ("--graphmode-cpu-threads=-1", "*graphmode_cpu_threads: '-1' is not an integer >= 0*"),
         ("--graphmode-workers=0", "*graphmode_workers: '0' is not an integer >= 1*"),
         ("--graphmode-workers=many", "*graphmode_workers: 'many' is not an integer >= 1*"),
+        ("--graphmode-leading=no", "*graphmode_leading: 'no' is not one of ('on', 'off')*"),
     ],
 )
 def test_bad_option_value_is_a_usage_error(
@@ -144,6 +146,14 @@ def test_header_names_backend_target_and_given_seed(toy_project: pytest.Pytester
             "examples<=10000 seconds=20 steps=8 workers=*"
         ]
     )
+
+
+def test_header_says_when_the_leading_examples_are_left_out(toy_project: pytest.Pytester) -> None:
+    common = ["--graphmode-fuzz", f"--graphmode-target={TOY}", "--collect-only"]
+    left_out = toy_project.runpytest(*common, "--graphmode-leading=off")
+    left_out.stdout.fnmatch_lines(["graphmode: * steps=8 leading=off*"])
+    default = toy_project.runpytest(*common)
+    default.stdout.no_fnmatch_line("graphmode: *leading=*")
 
 
 @pytest.mark.parametrize(

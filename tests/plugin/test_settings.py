@@ -22,6 +22,7 @@ def test_campaign_settings(graphmode_fuzz, monkeypatch):
     print("phases", ",".join(sorted(phase.name for phase in settings.phases)))
     print("database", settings.database, "examples", settings.max_examples)
     print("cpu_threads", seen["cpu_threads"])
+    print("leading", seen["leading"])
 """
 
 
@@ -41,6 +42,7 @@ def test_the_fixture_runs_campaigns_with_the_engine_settings(pytester: pytest.Py
             "*phases explicit,generate,reuse,shrink,target",
             "database None examples 4",
             "cpu_threads 1",
+            "leading True",
         ]
     )
 
@@ -55,3 +57,10 @@ def test_the_fixture_passes_the_cpu_threads_asked(
     result = pytester.runpytest("-s", option)
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([f"cpu_threads {threads}"])
+
+
+def test_the_fixture_leaves_out_the_leading_examples_when_asked(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(SPY_ON_THE_ENGINE)
+    result = pytester.runpytest("-s", "--graphmode-leading=off")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["leading False"])
