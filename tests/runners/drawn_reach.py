@@ -6,7 +6,9 @@ leading examples (`run_campaign(leading=False)`, `--graphmode-leading=off`).
 
 Every runner of `test_from_docs.CAUGHT_BY` but those caught while the twins are made (no schedule
 decides those) runs its buggy target in one campaign per seed, `--examples` examples of up to
-`--steps` steps, reported as found (no shrinking). Each campaign prints one JSON line to stderr:
+`--steps` steps, reported as found (no shrinking), in a fresh process of its own: Hypothesis draws
+constants from the project's loaded modules, so campaigns run one after another in one process
+would each depend on the runners before them. Each campaign prints one JSON line to stderr:
 the example of the first failure (None: missed within the examples) and its check; the end is a
 table of the runners with a seed missed or caught by another check than the one their tests name
 (with the leading examples), and the count caught.
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
 from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
@@ -63,15 +67,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--examples", type=int, default=60, help="examples per campaign")
     parser.add_argument("--steps", type=int, default=8, help="steps per example at most")
     parser.add_argument("--only", nargs="*", help="runner names (default: every one)")
+    parser.add_argument("--jobs", type=int, default=1, help="campaigns run at once")
     args = parser.parse_args(argv)
     runners = args.only or sorted(set(CAUGHT_BY) - AT_START_UP)
     unknown = sorted(set(runners) - set(CAUGHT_BY))
     if unknown:
         parser.error(f"not runners of tests/runners/test_from_docs.py: {', '.join(unknown)}")
     found: list[Reach] = []
-    for runner in runners:
-        for seed in range(args.seeds):
-            found.append(reach(runner, seed, args.examples, args.steps))
+    fresh = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.jobs, mp_context=fresh, max_tasks_per_child=1) as pool:
+        runs = [
+            pool.submit(reach, runner, seed, args.examples, args.steps)
+            for runner in runners
+            for seed in range(args.seeds)
+        ]
+        for run in runs:
+            found.append(run.result())
             print(json.dumps(asdict(found[-1])), file=sys.stderr, flush=True)
     print("| runner | first failing example, per seed | checks |")
     print("| --- | --- | --- |")
