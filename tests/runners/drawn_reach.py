@@ -63,7 +63,8 @@ def reach(runner: str, seed: int, examples: int, steps: int) -> Reach:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per runner")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per runner")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first of those seeds")
     parser.add_argument("--examples", type=int, default=60, help="examples per campaign")
     parser.add_argument("--steps", type=int, default=8, help="steps per example at most")
     parser.add_argument("--only", nargs="*", help="runner names (default: every one)")
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         runs = [
             pool.submit(reach, runner, seed, args.examples, args.steps)
             for runner in runners
-            for seed in range(args.seeds)
+            for seed in range(args.first_seed, args.first_seed + args.seeds)
         ]
         for run in runs:
             found.append(run.result())
