@@ -206,26 +206,10 @@ def hypothesis_settings(max_examples: int) -> hypothesis.settings:
 def resolve(config: pytest.Config) -> GraphmodeSettings:
     """Read the run's options (command line over ini file); a bad value is a usage error."""
     raw = {name: _raw_option(config, name) for name in OPTIONS}
-    backend = raw["backend"] or "auto"
-    if backend not in BACKENDS:
-        raise pytest.UsageError(
-            f"--graphmode-backend / graphmode_backend: {backend!r} is not one of {BACKENDS}"
-        )
-    profile = raw["profile"] or "dev"
-    if profile not in PROFILES:
-        raise pytest.UsageError(
-            f"--graphmode-profile / graphmode_profile: {profile!r} is not one of {tuple(PROFILES)}"
-        )
-    isolate = raw["isolate"] or "auto"
-    if isolate not in ISOLATE:
-        raise pytest.UsageError(
-            f"--graphmode-isolate / graphmode_isolate: {isolate!r} is not one of {ISOLATE}"
-        )
-    leading = raw["leading"] or "on"
-    if leading not in LEADING:
-        raise pytest.UsageError(
-            f"--graphmode-leading / graphmode_leading: {leading!r} is not one of {LEADING}"
-        )
+    backend = _choice("backend", raw["backend"], BACKENDS)
+    profile = _choice("profile", raw["profile"], tuple(PROFILES))
+    isolate = _choice("isolate", raw["isolate"], ISOLATE)
+    leading = _choice("leading", raw["leading"], LEADING)
     chosen = PROFILES[profile]
     # A count asked for is a count run: the profile's time budget then no longer applies.
     seconds = chosen.seconds if raw["examples"] is None else None
@@ -319,6 +303,16 @@ def workers_per_campaign(settings: GraphmodeSettings, seconds: float | None) -> 
 def option_flag(name: str) -> str:
     """The command-line spelling of option `name`."""
     return f"--graphmode-{name.replace('_', '-')}"
+
+
+def _choice(name: str, text: str | None, choices: tuple[str, ...]) -> str:
+    """Option `name`'s value, one of `choices`; unset, the first of them (its default)."""
+    value = text or choices[0]
+    if value not in choices:
+        raise pytest.UsageError(
+            f"{option_flag(name)} / graphmode_{name}: {value!r} is not one of {choices}"
+        )
+    return value
 
 
 def _parse_seconds(name: str, text: str | None) -> float:

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import hypothesis
 import pytest
@@ -39,6 +40,14 @@ from pytest_graphmode.strategies.schedules import (
     first_tokens_past_the_largest_graph,
 )
 from tests.fuzz import out_of_memory_target, toy
+
+
+def _drift_failure(**options: Any) -> GraphmodeFailure:
+    """The failure a campaign of the drifting toy raises: 10 examples of up to 3 steps, seed 1,
+    and `options`."""
+    with pytest.raises(GraphmodeFailure) as caught:
+        run_campaign(toy.factory(["drift"]), max_examples=10, max_steps=3, seed=1, **options)
+    return caught.value
 
 
 def test_a_correct_runner_passes_and_every_check_but_the_rank_checks_runs():
@@ -226,19 +235,12 @@ def test_the_capture_on_long_contexts_starts_on_fresh_twins_where_an_example_bef
 
 
 def test_a_failure_is_shrunk_and_reported_though_the_time_budget_is_spent():
-    with pytest.raises(GraphmodeFailure) as caught:
-        run_campaign(
-            toy.factory(["drift"]),
-            max_examples=10,
-            max_steps=3,
-            seed=1,
-            pipelined=False,
-            seconds=1e-9,  # spent before the second example could start
-        )
-    stats = caught.value.stats
+    # seconds: spent before the second example could start
+    failed = _drift_failure(pipelined=False, seconds=1e-9)
+    stats = failed.stats
     assert stats is not None and not stats.stopped_by_time_budget
     assert stats.examples > stats.first_failure_example  # shrinking ran on
-    assert "; shrinking finished in " in caught.value.failure.message
+    assert "; shrinking finished in " in failed.failure.message
 
 
 @pytest.mark.parametrize("seconds", [0, -1.0, float("nan")])
@@ -248,16 +250,15 @@ def test_a_time_budget_must_be_positive(seconds: float):
 
 
 def test_an_unbounded_shrink_says_it_finished():
-    with pytest.raises(GraphmodeFailure) as caught:
-        run_campaign(toy.factory(["drift"]), max_examples=10, max_steps=3, seed=1, pipelined=False)
-    stats = caught.value.stats
+    failed = _drift_failure(pipelined=False)
+    stats = failed.stats
     assert stats is not None and stats.first_failure_example is not None
     assert stats.examples > stats.first_failure_example  # shrinking ran more examples
     # every example after the first failing one was Hypothesis shrinking it
     assert stats.shrink_examples == stats.examples - stats.first_failure_example
     assert not stats.shrink_stopped_by_budget and stats.shrink_budget_seconds is None
-    assert "; shrinking finished in " in caught.value.failure.message
-    assert "(the steps above are the shrunk schedule's)" in caught.value.failure.message
+    assert "; shrinking finished in " in failed.failure.message
+    assert "(the steps above are the shrunk schedule's)" in failed.failure.message
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
@@ -265,25 +266,22 @@ def test_shrinking_leaves_a_single_step_of_batch_literals(pipelined: bool):
     """With pipelined pairs, the leading example finds the bug at its first step, and its replay
     ends with the pair that step is in; without, Hypothesis shrinks a drawn schedule down to one
     step."""
-    with pytest.raises(GraphmodeFailure) as caught:
-        run_campaign(
-            toy.factory(["drift"]), max_examples=10, max_steps=3, seed=1, pipelined=pipelined
-        )
-    snippet = caught.value.failure.replay_snippet
+    failed = _drift_failure(pipelined=pipelined)
+    snippet = failed.failure.replay_snippet
     namespace: dict[str, object] = {}
     exec(snippet.split("replay(events")[0], namespace)
     kept = [Batch, Stress, Batch] if pipelined else [Batch]
     assert [type(e) for e in namespace["events"]] == kept
-    assert caught.value.failure.step == 0
+    assert failed.failure.step == 0
     leading = "shrinking skipped: this is one of the campaign's leading examples"
-    assert (leading in caught.value.failure.message) == pipelined
+    assert (leading in failed.failure.message) == pipelined
     # the report names the leading example it was found in: the first is the simplest pair
     named = "first failing example: 1 (the leading example first_pair), at its step 0, found after"
-    assert (named in caught.value.failure.message) == pipelined
+    assert (named in failed.failure.message) == pipelined
     # and the step of the example as found, which a shrunk schedule's own step need not be
-    assert ", at its step " in caught.value.failure.message.splitlines()[-1]
+    assert ", at its step " in failed.failure.message.splitlines()[-1]
     # the counts say so too, from the moment it is found: no shrinking to wait for
-    stats = caught.value.stats
+    stats = failed.stats
     assert stats is not None
     assert stats.first_failure_leading == ("first_pair" if pipelined else None)
     assert stats.to_json()["first_failure_leading"] == stats.first_failure_leading
@@ -293,19 +291,11 @@ def test_shrinking_leaves_a_single_step_of_batch_literals(pipelined: bool):
 def test_leading_false_draws_every_example(leading: bool):
     """The bug the first leading example finds is found by a drawn example without them."""
     seen: list[list[Batch | Stress]] = []
-    with pytest.raises(GraphmodeFailure) as caught:
-        run_campaign(
-            toy.factory(["drift"]),
-            max_examples=10,
-            max_steps=3,
-            seed=1,
-            leading=leading,
-            on_example=lambda _, events: seen.append(events),
-        )
-    stats = caught.value.stats
+    failed = _drift_failure(leading=leading, on_example=lambda _, events: seen.append(events))
+    stats = failed.stats
     assert stats is not None
     assert stats.first_failure_leading == ("first_pair" if leading else None)
-    assert ("leading example" in caught.value.failure.message) == leading
+    assert ("leading example" in failed.failure.message) == leading
     # the first example is the simplest pipelined pair, or drawn: Hypothesis starts a run with
     # the smallest schedule it can draw, a single step
     assert sum(isinstance(e, Batch) for e in seen[0]) == (
@@ -320,10 +310,7 @@ def test_a_failure_in_a_leading_example_is_never_counted_as_shrinking():
         if stats.first_failure_check is not None:
             seen.append((stats.first_failure_leading, stats.shrinking))
 
-    with pytest.raises(GraphmodeFailure):
-        run_campaign(
-            toy.factory(["drift"]), max_examples=10, max_steps=3, seed=1, progress=progress
-        )
+    _drift_failure(progress=progress)
     assert seen and set(seen) == {("first_pair", False)}
 
 

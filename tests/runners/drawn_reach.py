@@ -51,11 +51,10 @@ def reach(runner: str, seed: int, examples: int, steps: int) -> Reach:
             leading=False,
         )
     except GraphmodeFailure as failed:
-        stats = failed.stats
         named = CAUGHT_BY[runner]
         expected = (named,) if isinstance(named, str) else named
         check = failed.failure.check
-        example = None if stats is None else stats.first_failure_example
+        example = None if failed.stats is None else failed.stats.first_failure_example
         seconds = time.perf_counter() - started
         return Reach(runner, seed, example, check, check in expected, seconds)
     return Reach(runner, seed, None, None, False, time.perf_counter() - started)
