@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import tempfile
 import threading
 import time
 import traceback
@@ -34,6 +33,7 @@ from pytest_graphmode.fuzz.campaign_process import (
 )
 from pytest_graphmode.fuzz.checks import sim_refusal
 from pytest_graphmode.fuzz.escaped import HarnessError
+from pytest_graphmode.fuzz.hypothesis_scope import hypothesis_scope
 from pytest_graphmode.fuzz.kept_twins import IN_CONSTRUCTION, HistoryFailure, KeptTwins
 from pytest_graphmode.fuzz.registry import (
     NO_DEVICE_FAULT,
@@ -104,27 +104,6 @@ def campaign_spec(
             f"{sorted(spec.features)}"
         )
     return dataclasses.replace(spec, features=frozenset(features))
-
-
-@contextmanager
-def storage_outside_the_project() -> Iterator[None]:
-    """Point Hypothesis's storage directory at a temporary one for the campaign.
-
-    Database or not, Hypothesis caches the constants of every module of the working directory in
-    its storage directory (`.hypothesis/constants/` by default), so a campaign would leave a
-    `.hypothesis/` in the user's project. The user's own setting is put back afterwards: their
-    Hypothesis tests keep their storage.
-    """
-    from hypothesis import configuration
-
-    # None: not chosen yet; Hypothesis then chooses again (environment, working directory).
-    previous = vars(configuration).get("__hypothesis_home_directory")
-    with tempfile.TemporaryDirectory(prefix="graphmode-hypothesis-") as home:
-        configuration.set_hypothesis_home_dir(home)
-        try:
-            yield
-        finally:
-            configuration.set_hypothesis_home_dir(previous)
 
 
 def run_campaign(
@@ -264,7 +243,7 @@ def run_campaign(
 
     try:
         with (
-            storage_outside_the_project(),
+            hypothesis_scope(),
             budget.ticking(),
             long_lived_objects_frozen(resolve_backend(backend)) as heap,
             torch_cpu_threads(cpu_threads),

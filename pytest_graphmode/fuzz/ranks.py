@@ -42,9 +42,9 @@ from pytest_graphmode.fuzz.campaign import (
     campaign_spec,
     run_in_rounds,
     seeded,
-    storage_outside_the_project,
 )
 from pytest_graphmode.fuzz.campaign_process import DEFAULT_CPU_THREADS, check_cpu_threads
+from pytest_graphmode.fuzz.hypothesis_scope import hypothesis_scope
 from pytest_graphmode.fuzz.rank_checks import RANKS_ARRIVE
 from pytest_graphmode.fuzz.rank_group import COLLECTIVES, STATUS_FIELDS, RankGroup
 from pytest_graphmode.fuzz.rank_lockstep import Finding
@@ -418,7 +418,7 @@ def run_rank_campaign(
         return seeded(hypothesis.settings(chosen, max_examples=examples)(example), seed, run)
 
     try:
-        with storage_outside_the_project(), budget.ticking():
+        with hypothesis_scope(), budget.ticking():
             run_in_rounds(hypothesis_run, budget, seconds, chosen.max_examples)
     except (GraphmodeFailure, RankAbort) as ended:
         failure = budget.annotated(ended.failure)

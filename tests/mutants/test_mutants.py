@@ -1,10 +1,8 @@
 """The harness fails every mutant of the zoo with the check its module names, within the default
 budget, and passes the correct targets on every seed (no false positives).
 
-The detection tests run campaigns with up to three seeds until one fails: a seed alone does not pin
-what Hypothesis draws (it also mixes in constants from the modules the process has loaded, which
-depend on the tests that ran before), and every mutant is caught on at least nine seeds of ten, so
-missing three in a row means the harness lost its grip. `measure.py` runs ten seeds per mutant and
+The detection tests run campaigns with up to three seeds until one fails: every mutant is caught
+on at least nine seeds of ten, so missing three in a row means the harness lost its grip. `measure.py` runs ten seeds per mutant and
 records the spread in docs/mutants.md. The no-false-positive tests run twenty seeds per correct target with a
 reduced budget per seed; the full-budget figures are in the same document.
 """

@@ -6,9 +6,9 @@ leading examples (`run_campaign(leading=False)`, `--graphmode-leading=off`).
 
 Every runner of `test_from_docs.CAUGHT_BY` but those caught while the twins are made (no schedule
 decides those) runs its buggy target in one campaign per seed, `--examples` examples of up to
-`--steps` steps, reported as found (no shrinking), in a fresh process of its own: Hypothesis draws
-constants from the project's loaded modules, so campaigns run one after another in one process
-would each depend on the runners before them. Each campaign prints one JSON line to stderr:
+`--steps` steps, reported as found (no shrinking), in a fresh process of its own, so that no
+campaign depends on what the ones before it left in the process. Each campaign prints one JSON
+line to stderr:
 the example of the first failure (None: missed within the examples) and its check; the end is a
 table of the runners with a seed missed or caught by another check than the one their tests name
 (with the leading examples), and the count caught.

@@ -1,0 +1,79 @@
+"""What a campaign changes in Hypothesis's process-wide state while it runs, and puts back.
+
+Hypothesis keeps a storage directory and, in recent releases, the constants of the modules the
+process has loaded; both are process-wide. A campaign sets them for itself so that it leaves
+nothing in the user's project and its examples follow from its seed alone.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def hypothesis_scope() -> Iterator[None]:
+    """Both of this module's scopes: a campaign runs inside it."""
+    with storage_outside_the_project(), draws_from_the_seed_alone():
+        yield
+
+
+@contextmanager
+def storage_outside_the_project() -> Iterator[None]:
+    """Point Hypothesis's storage directory at a temporary one for the campaign.
+
+    Database or not, Hypothesis caches the constants of every module of the working directory in
+    its storage directory (`.hypothesis/constants/` by default), so a campaign would leave a
+    `.hypothesis/` in the user's project. The user's own setting is put back afterwards: their
+    Hypothesis tests keep their storage.
+    """
+    from hypothesis import configuration
+
+    # None: not chosen yet; Hypothesis then chooses again (environment, working directory).
+    previous = vars(configuration).get("__hypothesis_home_directory")
+    with tempfile.TemporaryDirectory(prefix="graphmode-hypothesis-") as home:
+        configuration.set_hypothesis_home_dir(home)
+        try:
+            yield
+        finally:
+            configuration.set_hypothesis_home_dir(previous)
+
+
+@contextmanager
+def draws_from_the_seed_alone() -> Iterator[None]:
+    """Keep the constants of the process's own modules out of the campaign's draws.
+
+    Hypothesis (since 6.131) draws, in about one integer draw of forty, a constant it found in the
+    source of a loaded module outside the standard library and site-packages: the user's runner,
+    a conftest, this package where it is installed from a checkout. Which modules those are
+    depends on what the process imported before the campaign (which tests an xdist worker ran
+    first, whether a runner is imported lazily), and an edit to a number anywhere in them moves
+    every draw: one seed would draw other examples in another process or after an unrelated
+    edit. Hypothesis's own constants, the same in every process, stay. A release without module
+    constants needs nothing here.
+    """
+    try:
+        from hypothesis.internal.conjecture import providers
+    except ImportError:  # pragma: no cover - a release that moved its internals
+        yield
+        return
+    scan = getattr(providers, "_get_local_constants", None)
+    constants = getattr(providers, "Constants", None)
+    cache = getattr(getattr(providers, "CONSTANTS_CACHE", None), "cache", None)
+    if scan is None or constants is None:
+        yield
+        return
+    none = constants()
+    # Each provider asks for the constants once per example and caches what a draw permits
+    # under process-wide keys: cleared on the way in and out, so that nothing drawn before the
+    # campaign leaks into it and nothing of the campaign's into the user's own tests.
+    providers._get_local_constants = lambda: none
+    if cache is not None:
+        cache.clear()
+    try:
+        yield
+    finally:
+        providers._get_local_constants = scan
+        if cache is not None:
+            cache.clear()
