@@ -8,8 +8,10 @@ nothing in the user's project and its examples follow from its seed alone.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 
 @contextmanager
@@ -51,29 +53,52 @@ def draws_from_the_seed_alone() -> Iterator[None]:
     first, whether a runner is imported lazily), and an edit to a number anywhere in them moves
     every draw: one seed would draw other examples in another process or after an unrelated
     edit. Hypothesis's own constants, the same in every process, stay. A release without module
-    constants needs nothing here.
+    constants needs nothing here. Campaigns in several threads share one patch: the last to
+    leave puts Hypothesis back.
     """
     try:
         from hypothesis.internal.conjecture import providers
     except ImportError:  # pragma: no cover - a release that moved its internals
         yield
         return
-    scan = getattr(providers, "_get_local_constants", None)
-    constants = getattr(providers, "Constants", None)
-    cache = getattr(getattr(providers, "CONSTANTS_CACHE", None), "cache", None)
-    if scan is None or constants is None:
+    if not (hasattr(providers, "_get_local_constants") and hasattr(providers, "Constants")):
         yield
         return
-    none = constants()
-    # Each provider asks for the constants once per example and caches what a draw permits
-    # under process-wide keys: cleared on the way in and out, so that nothing drawn before the
-    # campaign leaks into it and nothing of the campaign's into the user's own tests.
-    providers._get_local_constants = lambda: none
-    if cache is not None:
-        cache.clear()
+    global _inside
+    with _lock:
+        if _inside == 0:
+            _patch(providers)
+        _inside += 1
     try:
         yield
     finally:
-        providers._get_local_constants = scan
-        if cache is not None:
-            cache.clear()
+        with _lock:
+            _inside -= 1
+            if _inside == 0:
+                _unpatch(providers)
+
+
+_lock = threading.Lock()
+_inside = 0  # campaigns inside the scope now, in all threads
+_scan: list[Callable[[], Any]] = []  # Hypothesis's own scan while patched
+
+
+def _patch(providers: Any) -> None:
+    none = providers.Constants()
+    _scan.append(providers._get_local_constants)
+    providers._get_local_constants = lambda: none
+    _clear_cache(providers)
+
+
+def _unpatch(providers: Any) -> None:
+    providers._get_local_constants = _scan.pop()
+    _clear_cache(providers)
+
+
+def _clear_cache(providers: Any) -> None:
+    """Each provider asks for the constants once per example and caches what a draw permits
+    under process-wide keys: cleared on the way in and out, so that nothing drawn before the
+    campaign leaks into it and nothing of the campaign's into the user's own tests."""
+    cache = getattr(getattr(providers, "CONSTANTS_CACHE", None), "cache", None)
+    if cache is not None:
+        cache.clear()

@@ -101,3 +101,15 @@ def test_the_scope_puts_hypothesis_back():
         assert providers._get_local_constants is not scan
         assert len(providers._get_local_constants()) == 0
     assert providers._get_local_constants is scan
+
+
+def test_nested_scopes_put_hypothesis_back_when_the_last_one_leaves():
+    from hypothesis.internal.conjecture import providers
+
+    scan = providers._get_local_constants
+    with draws_from_the_seed_alone():
+        patched = providers._get_local_constants
+        with draws_from_the_seed_alone():
+            assert providers._get_local_constants is patched
+        assert providers._get_local_constants is patched  # the outer campaign still runs
+    assert providers._get_local_constants is scan
