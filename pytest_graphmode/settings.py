@@ -184,10 +184,10 @@ def hypothesis_settings(max_examples: int) -> hypothesis.settings:
     """The Hypothesis settings of every campaign, whichever way it is started.
 
     No per-example deadline: the first steps of an example capture graphs, slow by design. Not
-    derandomized: a campaign is reproducible through its seed (it keeps the constants of the project's
-    loaded modules out of its draws: `fuzz.hypothesis_scope`). No database:
-    a failure is reproduced from its replay snippet, not from a local cache. No `explain` phase:
-    it re-runs hundreds of variants of the shrunk schedule, and the replay snippet already is the
+    derandomized: a campaign is reproducible through its seed (it keeps the constants of the
+    project's loaded modules out of its draws: `fuzz.hypothesis_scope`). No database: a failure
+    is reproduced from its replay snippet, not from a local cache. No `explain` phase: it re-runs
+    hundreds of variants of the shrunk schedule, and the replay snippet already is the
     explanation.
     """
     from hypothesis import HealthCheck, Phase, settings

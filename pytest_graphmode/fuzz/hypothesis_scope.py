@@ -64,10 +64,12 @@ def draws_from_the_seed_alone() -> Iterator[None]:
     if not (hasattr(providers, "_get_local_constants") and hasattr(providers, "Constants")):
         yield
         return
-    global _inside
+    global _inside, _scan
     with _lock:
         if _inside == 0:
-            _patch(providers)
+            _scan = providers._get_local_constants
+            none = providers.Constants()
+            _use_scan(providers, lambda: none)
         _inside += 1
     try:
         yield
@@ -75,30 +77,19 @@ def draws_from_the_seed_alone() -> Iterator[None]:
         with _lock:
             _inside -= 1
             if _inside == 0:
-                _unpatch(providers)
+                _use_scan(providers, _scan)
 
 
 _lock = threading.Lock()
 _inside = 0  # campaigns inside the scope now, in all threads
-_scan: list[Callable[[], Any]] = []  # Hypothesis's own scan while patched
+_scan: Callable[[], Any] | None = None  # Hypothesis's own scan, while a campaign runs
 
 
-def _patch(providers: Any) -> None:
-    none = providers.Constants()
-    _scan.append(providers._get_local_constants)
-    providers._get_local_constants = lambda: none
-    _clear_cache(providers)
-
-
-def _unpatch(providers: Any) -> None:
-    providers._get_local_constants = _scan.pop()
-    _clear_cache(providers)
-
-
-def _clear_cache(providers: Any) -> None:
-    """Each provider asks for the constants once per example and caches what a draw permits
-    under process-wide keys: cleared on the way in and out, so that nothing drawn before the
-    campaign leaks into it and nothing of the campaign's into the user's own tests."""
+def _use_scan(providers: Any, scan: Callable[[], Any] | None) -> None:
+    """Make `scan` what Hypothesis calls for the loaded modules' constants. Each provider caches
+    what a draw permits under process-wide keys: cleared with every change, so that nothing drawn
+    before the campaign leaks into it and nothing of the campaign's into the user's own tests."""
+    providers._get_local_constants = scan
     cache = getattr(getattr(providers, "CONSTANTS_CACHE", None), "cache", None)
     if cache is not None:
         cache.clear()

@@ -60,7 +60,7 @@ def _draws(scope: AbstractContextManager[None]) -> list[int]:
 
 
 @pytest.mark.parametrize("scoped", [True, False], ids=["seed alone", "hypothesis as is"])
-def test_the_draws_of_a_seed_do_not_change_when_a_module_with_constants_is_loaded(
+def test_a_loaded_modules_constants_move_a_seeds_draws_only_outside_the_scope(
     load_a_module_with_constants, scoped
 ):
     scope = draws_from_the_seed_alone if scoped else nullcontext
@@ -93,22 +93,14 @@ def test_a_campaign_draws_none_of_the_loaded_modules_constants(load_a_module_wit
     assert len(providers._get_local_constants()) >= 100  # the user's own tests draw them again
 
 
-def test_the_scope_puts_hypothesis_back():
-    from hypothesis.internal.conjecture import providers
-
-    scan = providers._get_local_constants
-    with draws_from_the_seed_alone():
-        assert providers._get_local_constants is not scan
-        assert len(providers._get_local_constants()) == 0
-    assert providers._get_local_constants is scan
-
-
-def test_nested_scopes_put_hypothesis_back_when_the_last_one_leaves():
+def test_the_scope_offers_no_constants_and_the_last_to_leave_puts_hypothesis_back():
     from hypothesis.internal.conjecture import providers
 
     scan = providers._get_local_constants
     with draws_from_the_seed_alone():
         patched = providers._get_local_constants
+        assert patched is not scan
+        assert len(patched()) == 0
         with draws_from_the_seed_alone():
             assert providers._get_local_constants is patched
         assert providers._get_local_constants is patched  # the outer campaign still runs

@@ -8,7 +8,6 @@ stays hidden.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 
@@ -24,6 +23,7 @@ from pytest_graphmode.strategies.stream_delays import (
     sleep_cycles_per_second,
 )
 from tests.conformance.case import another_stream
+from tests.xdist import other_workers
 
 pytestmark = pytest.mark.graphmode_cuda
 
@@ -48,10 +48,10 @@ def be(any_be: Backend) -> Backend:
     clock, which runs on while the GPU serves another process's context: on a GPU shared by
     twelve pytest workers (the H100, 2026-12-07) a delay of 25 ms ran out before the work it held
     back was due and four of these races came out the other way."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
+    others = other_workers()
+    if others:
         pytest.skip(
-            f"the delays time the race on a GPU this process has alone; the other {workers - 1} "
+            f"the delays time the race on a GPU this process has alone; the other {others} "
             "pytest workers share it: run this file without xdist (-p no:xdist)"
         )
     return any_be
@@ -290,14 +290,15 @@ def test_a_hold_keeps_an_upload_queued_while_the_host_works_past_the_delay(be, h
     staging, device = _staged(be, 1.0)
     per_second = sleep_cycles_per_second(torch.cuda.current_device())
     hold_cycles = int(0.03 * per_second) if hold else 0
-    landed = be.Event()
     with delayed_streams(1000, hold_cycles=hold_cycles):
         device.copy_(staging, non_blocking=True)
+        landed = be.Event()
         landed.record()
         time.sleep(0.005)
-        deadline = time.perf_counter() + 2.0
-        while not hold and not landed.query() and time.perf_counter() < deadline:
-            time.sleep(0.001)
+        if not hold:
+            deadline = time.perf_counter() + 2.0
+            while not landed.query() and time.perf_counter() < deadline:
+                time.sleep(0.001)
         staging.fill_(2.0)
     be.synchronize()
     assert device.unique().tolist() == ([2.0] if hold else [1.0])

@@ -2,9 +2,10 @@
 budget, and passes the correct targets on every seed (no false positives).
 
 The detection tests run campaigns with up to three seeds until one fails: every mutant is caught
-on at least nine seeds of ten, so missing three in a row means the harness lost its grip. `measure.py` runs ten seeds per mutant and
-records the spread in docs/mutants.md. The no-false-positive tests run twenty seeds per correct target with a
-reduced budget per seed; the full-budget figures are in the same document.
+on at least nine seeds of ten, so missing three in a row means the harness lost its grip.
+`measure.py` runs ten seeds per mutant and records the spread in docs/mutants.md. The
+no-false-positive tests run twenty seeds per correct target with a reduced budget per seed; the
+full-budget figures are in the same document.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ leading examples or, for a bug none of them is built for, the examples `LATER` a
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.isolation import run_isolated
 from pytest_graphmode.fuzz.ranks import run_rank_campaign
 from tests.runners.caught import assert_caught, failure_of
+from tests.xdist import other_workers
 
 # runner -> the check that catches its bug on sim
 CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
@@ -575,10 +575,10 @@ def test_the_bug_is_caught_on_a_gpu_within_the_leading_examples_or_its_budget(ru
 def _need_a_gpu(runner: str) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if runner in NEEDS_THE_GPU_ALONE and workers > 1:
+    others = other_workers()
+    if runner in NEEDS_THE_GPU_ALONE and others:
         pytest.skip(
-            f"{runner} profiles the GPU's free memory, which the other {workers - 1} pytest "
+            f"{runner} profiles the GPU's free memory, which the other {others} pytest "
             "workers move: run it without xdist (-p no:xdist)"
         )
 
