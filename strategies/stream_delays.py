@@ -101,6 +101,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pytest_graphmode.runtime.backends.cuda_races import InflightCopies
+from pytest_graphmode.runtime.backends.sim import footprint
+
+# The delays' own frames issue the copies they note: the program's line is the caller's.
+footprint.hide_file(__file__)
+
 
 def async_copy_device(
     func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
@@ -150,19 +156,22 @@ def delayed_streams(
     hold_cycles: int = 0,
     held_stream: int | None = None,
     met: StreamsMet | None = None,
+    inflight: InflightCopies | None = None,
 ) -> Iterator[None]:
     """Delay every asynchronous host copy and event record, and the work the block queues on a
     stream it enters (`with torch.cuda.stream(side):`), by a sleep kernel on its own stream while
     the block runs, `hold_cycles` long where that stream is not already held back, else `cycles`
     long; with `held_stream`, only on the step's `held_stream`-th stream, modulo the streams
-    earlier scopes given `met` met (module docstring). Torch is as it was after the block, also
-    when it raises."""
+    earlier scopes given `met` met (module docstring). `inflight`: told of every such copy
+    between pinned host memory and the device, and of every operation the host runs, so that it
+    finds host accesses to a copy's bytes while the copy is in flight (cuda_races.py). Torch is
+    as it was after the block, also when it raises."""
     sleeps = _Sleeps("delayed_streams", cycles, hold_cycles, held_stream, met)
     with (
         _counting_captures(sleeps.captures),
         _delayed_event_records(sleeps),
         _noting_entered_streams(sleeps),
-        _AsyncCopies(sleeps),
+        _AsyncCopies(sleeps.captures, sleeps, inflight=inflight),
     ):
         yield
 
@@ -174,7 +183,7 @@ def landed_copies() -> Iterator[None]:
     unless a capture is underway (module docstring). Nothing is delayed. Torch is as it was after
     the block, also when it raises."""
     captures = _Captures()
-    with _counting_captures(captures), _AsyncCopies(None, landing=captures):
+    with _counting_captures(captures), _AsyncCopies(captures, landing=True):
         yield
 
 
@@ -326,12 +335,23 @@ class _AsyncCopies(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True
 
-    def __init__(self, sleeps: _Sleeps | None, *, landing: _Captures | None = None) -> None:
-        """`sleeps`: the delays' sleeps ahead of the copies (None: none); `landing`: wait for each
-        copy right after issuing it unless one of these captures is underway (`landed_copies`)."""
+    def __init__(
+        self,
+        captures: _Captures,
+        sleeps: _Sleeps | None = None,
+        *,
+        landing: bool = False,
+        inflight: InflightCopies | None = None,
+    ) -> None:
+        """`captures`: the scope's, while one is underway copies are left as they are;
+        `sleeps`: the delays' sleeps ahead of the copies (None: none); `landing`: wait for each
+        copy right after issuing it (`landed_copies`); `inflight`: told of each copy and each
+        host operation (`delayed_streams`)."""
         super().__init__()
+        self.captures = captures
         self.sleeps = sleeps
         self.landing = landing
+        self.inflight = inflight
 
     def __torch_dispatch__(
         self,
@@ -349,15 +369,32 @@ class _AsyncCopies(TorchDispatchMode):
         if sleeps is not None and sleeps.entered:
             sleeps.first_on_entered()
         device = async_copy_device(func, args, kwargs)
+        inflight = self.inflight
         if device is None:
+            if inflight is not None and inflight.pending and not self.captures.underway(None):
+                inflight.host_operation(func, args, kwargs)
             return func(*args, **kwargs)
         stream = _current_stream(device)
         if sleeps is not None:
             sleeps.on(stream)
         result = func(*args, **kwargs)
-        if self.landing is not None and not self.landing.underway(stream):
-            _wait_for(stream)
+        if (self.landing or inflight is not None) and not self.captures.underway(stream):
+            if self.landing:
+                _wait_for(stream)
+            if inflight is not None:
+                host, upload = _host_end(func, args, result)
+                inflight.queued(host, stream, upload, str(func.overloadpacket))
         return result
+
+
+def _host_end(func: Any, args: Sequence[Any], result: Any) -> tuple[torch.Tensor, bool]:
+    """The host end of the non-blocking copy `func(*args)` that returned `result`, and whether
+    the copy is an upload (host to device)."""
+    if func is torch.ops.aten.copy_.default:
+        destination, source = args[0], args[1]
+        return (source, True) if source.device.type == "cpu" else (destination, False)
+    source = args[0]  # aten._to_copy: the copy is its result
+    return (source, True) if source.device.type == "cpu" else (result, False)
 
 
 # torch's own guard, as it would have wrapped `__torch_dispatch__` (its import is lazy too).

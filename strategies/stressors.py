@@ -18,6 +18,7 @@ import torch
 
 from pytest_graphmode.contract import Batch, TargetSpec, slot_major
 from pytest_graphmode.runtime.backends import Backend
+from pytest_graphmode.runtime.backends.cuda import CudaBackend
 from pytest_graphmode.strategies.plans import Stress
 from pytest_graphmode.strategies.stream_delays import (
     StreamsMet,
@@ -126,13 +127,16 @@ def delayed_step(
     replays where `stress.late` says "compute", by at least `hold_cycles` where no earlier sleep
     holds their stream back, on every stream or on the step's `stress.held_stream`-th alone
     (`stream_delays`; `met`, the streams the runner's earlier delayed steps met, takes the held
-    stream modulo their count); with `late="host"` every asynchronous copy between host and
-    device lands before the host goes on instead (`landed_copies`); anywhere else nothing is
-    entered at all, so an unstressed step pays nothing."""
+    stream modulo their count), the host's accesses to a copy's pinned bytes while the copy is
+    in flight being races the backend hands over (`cuda_races`); with `late="host"` every
+    asynchronous copy between host and device lands before the host goes on instead
+    (`landed_copies`); anywhere else nothing is entered at all, so an unstressed step pays
+    nothing."""
     if not stressed_timing(backend, stress):
         return nullcontext()
     if stress.late == "host":
         return landed_copies()
     if stress.late == "compute":
         return delayed_compute(stress.delay_cycles, hold_cycles, stress.held_stream, met)
-    return delayed_streams(stress.delay_cycles, hold_cycles, stress.held_stream, met)
+    inflight = backend.inflight_copies if isinstance(backend, CudaBackend) else None
+    return delayed_streams(stress.delay_cycles, hold_cycles, stress.held_stream, met, inflight)

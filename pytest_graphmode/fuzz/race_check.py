@@ -5,8 +5,9 @@ access when it is issued, so a missing event wait, `wait_stream` or synchronizat
 its first occurrence, whatever order the scheduler ran the streams in, and before it corrupts a
 value. A stream-ordered free (memory freed while another stream's queued work still uses it,
 without `record_stream`) is such a race too: its later access is the allocation that may be handed
-the block. A race is a root cause: the registry runs this check first. On cuda the backend has no
-checker and the check has nothing to judge.
+the block. A race is a root cause: the registry runs this check first. On cuda there is no such
+checker; the delayed steps report the host's accesses to pinned memory whose non-blocking copy was
+still in flight (runtime/backends/cuda_races.py), whatever values the copy moved.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ present. The surface (names and semantics as in torch.cuda): `Graph`, `graph(g, 
 `graph_pool_handle()`, `Stream`, `Event`, `stream(s)`, `current_stream()`, `default_stream()`,
 `synchronize()`, `empty_pinned(size, dtype=)`, `device`, `name`, `CaptureError`,
 `UseAfterFreeError`, `set_scheduler_seed(seed)` (orders independent streams on sim; no-op on cuda),
-`take_races()` (the stream races sim's happens-before checker found, as `Race`s; None on cuda),
+`take_races()` (the stream races found, as `Race`s: sim's happens-before checker's; on cuda the host
+accesses to pinned memory whose copy the harness's delays saw still in flight),
 and `active()` / `activate()` / `deactivate()` / `is_active`: a backend changes nothing in the process
 until activated (on sim: torch is routed through its dispatch mode while any activation is open, and
 restored exactly when the last ends; no-ops on cuda). Targets and the harness activate it themselves.

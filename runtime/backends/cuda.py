@@ -1,7 +1,10 @@
 """The cuda backend: a thin pass-through to torch.cuda.
 
-The only behaviour it adds is error translation: a CUDA error raised because a stream was capturing
-becomes `CaptureError`, and the failed capture is cleaned up so the process can keep capturing.
+It adds error translation: a CUDA error raised because a stream was capturing becomes
+`CaptureError`, and the failed capture is cleaned up so the process can keep capturing. And it
+keeps `inflight_copies` (cuda_races.py), which the harness's delays tell of the non-blocking copies
+and host operations of a stressed step: `take_races()` hands over the host accesses it found to
+pinned memory whose copy was still in flight.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ from typing import Any
 
 import torch
 
+from pytest_graphmode.runtime.backends.cuda_races import InflightCopies
 from pytest_graphmode.runtime.backends.errors import (
     CaptureError,
     UseAfterFreeError,
     capture_error_of,
 )
+from pytest_graphmode.runtime.backends.race import Race
 
 
 class CudaBackend:
@@ -39,6 +44,7 @@ class CudaBackend:
         self.is_current_stream_capturing = torch.cuda.is_current_stream_capturing
         self.empty_cache = torch.cuda.empty_cache
         self.mem_get_info = torch.cuda.mem_get_info
+        self.inflight_copies = InflightCopies()
 
     # Nothing of torch is patched on a GPU: activation only exists to be symmetrical with sim.
     is_active = True
@@ -56,9 +62,11 @@ class CudaBackend:
     def set_scheduler_seed(self, seed: int) -> None:
         """Stream order on a GPU is the hardware's: nothing to seed (sim-only knob)."""
 
-    def take_races(self) -> None:
-        """No race checker on a GPU (sim has one): nothing to hand over."""
-        return None
+    def take_races(self) -> list[Race]:
+        """The host accesses to pinned memory whose non-blocking copy was still in flight, found
+        since the last call (cuda_races.py; only where the harness's delays told of them). A GPU
+        has no checker of every access as sim has."""
+        return self.inflight_copies.take()
 
     def empty_pinned(
         self, size: int | tuple[int, ...], dtype: torch.dtype = torch.float32

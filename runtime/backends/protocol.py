@@ -120,8 +120,10 @@ class Backend(Protocol):
 
     def set_scheduler_seed(self, seed: int) -> None: ...
 
-    # The stream races found since the last call (sim's happens-before checker, first found
-    # first); None where the backend has no checker (cuda).
+    # The stream races found since the last call, first found first: sim's happens-before
+    # checker's; on cuda, host accesses to pinned memory whose non-blocking copy was still in
+    # flight, where the harness's delays told the backend of them (cuda_races.py). None where a
+    # backend has no checker at all.
     def take_races(self) -> list[Race] | None: ...
 
     # A backend changes nothing process-wide until activated (sim: torch is routed through it while

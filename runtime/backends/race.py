@@ -1,7 +1,8 @@
 """What a backend's race checker reports: two accesses to shared bytes that nothing orders.
 
-`Backend.take_races()` returns these. Only sim has a checker (docs/backends.md, "The race
-checker"); cuda returns none.
+`Backend.take_races()` returns these: on sim from its happens-before checker (docs/backends.md, "The
+race checker"), on cuda the host accesses to pinned memory whose copy was still in flight
+(cuda_races.py, "Copies in flight on cuda").
 """
 
 from __future__ import annotations

@@ -180,6 +180,12 @@ def source_line() -> tuple[str, int]:
     return "<unknown>", 0
 
 
+def hide_file(path: str) -> None:
+    """Frames of `path` are machinery that issues operations for a program (a dispatch mode's),
+    not a line of the program: `source_line` passes over them as over torch's."""
+    _hidden_files[path] = True
+
+
 def format_line(line: tuple[str, int]) -> str:
     """`path:line`, the path relative to the working directory when it lies below it."""
     path, lineno = line

@@ -1,0 +1,157 @@
+"""Host accesses to pinned memory while a non-blocking copy of it is still in flight (cuda).
+
+A GPU has no happens-before checker (the sim's, happens_before.py, judges every access), so on
+cuda a host-staging race shows only as a value, and only when the copy's late bytes differ from
+the ones the host meant: a pinned mask rewritten for the next step while the last step's upload
+is still queued changes nothing where both steps' masks agree at the bytes that raced. What a GPU
+does show, whatever the values, is that the copy had not run yet: `InflightCopies` keeps, for
+every non-blocking copy between pinned host memory and a cuda device that it is told of
+(`queued`), an event recorded right after the copy on the copy's stream; a host operation it is
+told of (`host_operation`, an operation whose tensors are all in host memory, which the host runs
+at once) that writes the host bytes of an upload, or reads or writes those of a download, while
+that event has not completed is a race. The copy reads or writes those bytes after the host did,
+so the host needed a wait for the copy (its event, its stream, the device) before touching them.
+
+Who tells it: the cuda delays (strategies/stream_delays.py) while a stressed step runs, which
+also hold the copies back, so that a copy is still in flight when the host's next access comes;
+across the two steps of a pipelined pair too, since the copies stay noted until they complete.
+Unseen: copies and host accesses outside such a scope, host accesses that bypass torch's
+dispatcher (a numpy view, `tolist()`, ctypes), pageable host memory (a non-blocking copy there is
+synchronous for the host) and copies inside a CUDA graph capture (their timing is the replay's).
+No query is made while a capture is underway: asking whether an event has completed ends a
+capture begun in torch's global mode with an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pytest_graphmode.runtime.backends.race import Race, RaceSide
+from pytest_graphmode.runtime.backends.sim import footprint, ops
+from pytest_graphmode.runtime.backends.sim.footprint import Footprint
+
+# Races kept until taken: the first few say what is wrong; a runner that races every step would
+# otherwise grow the list for as long as the campaign runs.
+_MOST_RACES = 16
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """A non-blocking copy still possibly in flight, and how to tell when it is not."""
+
+    host: Footprint  # the host end's bytes
+    upload: bool  # host to device (the copy reads the host bytes), else device to host (writes)
+    done: Any  # a torch.cuda.Event recorded right after the copy on its stream
+    side: RaceSide  # the copy, as the earlier side of a race
+
+
+class InflightCopies:
+    """The non-blocking copies between pinned host memory and a cuda device noted so far that
+    have not been seen to complete, and the races host operations ran into with them."""
+
+    def __init__(self) -> None:
+        self._copies: list[_Copy] = []
+        self._races: list[Race] = []
+        self._reported: set[tuple[str, str]] = set()  # (copy's line, host's line), once each
+
+    def queued(self, host: torch.Tensor, stream: Any, upload: bool, op: str) -> None:
+        """A non-blocking copy between `host` and a cuda device was just queued on `stream`
+        (`upload`: from `host`, else into it). Pageable host memory is not noted: CUDA finishes
+        with it before the copy call returns. The caller has made sure no capture is underway."""
+        if not host.is_pinned():
+            return
+        located = footprint.of(host)
+        if located is None:
+            return
+        done = torch.cuda.Event()
+        # The class's own record: the delays replace `torch.cuda.Event.record` with one that
+        # sleeps first, and this event must mark the copy, not a sleep after it.
+        torch._C._CudaEventBase.record(done, stream)
+        access = "read" if upload else "write"
+        where = footprint.format_line(footprint.source_line())
+        side = RaceSide(f"{op} (non-blocking, {_direction(upload)})", _named(stream), where, access)
+        self._copies.append(_Copy(located[1], upload, done, side))
+
+    @property
+    def pending(self) -> bool:
+        """Whether any copy noted may still be in flight (asks nothing of the device)."""
+        return bool(self._copies)
+
+    def host_operation(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """`func(*args, **kwargs)` is about to run: where it runs on the host, a race with every
+        noted copy still in flight whose host bytes it writes, or, for a download, reads. The
+        caller has made sure no capture is underway (the module docstring says why)."""
+        touched = _host_touches(func, args, kwargs)
+        if not touched:
+            return
+        self._copies = [copy for copy in self._copies if not copy.done.query()]
+        for tensor, write in touched:
+            located = footprint.of(tensor)
+            if located is None:
+                continue
+            for copy in self._copies:
+                if copy.upload and not write:
+                    continue  # a read of what an upload reads too: no race
+                shared = footprint.overlap(copy.host, located[1])
+                if shared is not None:
+                    self._race(copy, located[1], shared, func, write)
+
+    def take(self) -> list[Race]:
+        """The races found since the last call, first found first."""
+        races, self._races = self._races, []
+        return races
+
+    def _race(
+        self, copy: _Copy, host: Footprint, shared: tuple[int, int], func: Any, write: bool
+    ) -> None:
+        where = footprint.format_line(footprint.source_line())
+        key = (copy.side.line, where)
+        if key in self._reported or len(self._races) >= _MOST_RACES:
+            return
+        self._reported.add(key)
+        later = RaceSide(ops.op_name(func), "the host", where, "write" if write else "read")
+        self._races.append(Race(host.describe(), host.storage, shared, copy.side, later))
+
+
+def _host_touches(
+    func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> list[tuple[torch.Tensor, bool]]:
+    """The tensors `func` touches and whether it writes each, when every one of them is in host
+    memory (the host runs it now); none when one is on a device (it runs in stream order), and
+    none for a view or an allocation, which touch no bytes."""
+    facts = ops.facts(func)
+    if facts.quiet:
+        return []
+    written = facts.written_positions
+    # an argument written in place is found by its position, or by its name when passed by name
+    writes = {position for position, _ in written} | {name for _, name in written}
+    found: list[tuple[torch.Tensor, bool]] = []
+    for place, value in [*enumerate(args), *kwargs.items()]:
+        for tensor in _tensors(value):
+            if tensor.device.type != "cpu":
+                return []
+            found.append((tensor, place in writes))
+    return found
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+
+
+def _direction(upload: bool) -> str:
+    return "host to device" if upload else "device to host"
+
+
+def _named(stream: Any) -> str:
+    if stream == torch.cuda.default_stream(stream.device):
+        return "the default stream"
+    return f"stream #{stream.stream_id}"
