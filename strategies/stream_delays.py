@@ -95,7 +95,7 @@ import functools
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -193,17 +193,21 @@ def delayed_compute(
     hold_cycles: int = 0,
     held_stream: int | None = None,
     met: StreamsMet | None = None,
+    inflight: InflightCopies | None = None,
 ) -> Iterator[None]:
     """Delay the block's computation: a sleep kernel on the current stream on entry (the eager
     kernels queued after it wait for it) and ahead of every `torch.cuda.CUDAGraph.replay` on the
     stream it replays on, as long as `delayed_streams`'s and on the same streams; copies and
-    event records are not delayed. Torch is as it was after the block, also when it raises."""
+    event records are not delayed, though a copy queued behind a sleep waits for it.
+    `inflight`: as for `delayed_streams`. Torch is as it was after the block, also when it
+    raises."""
     sleeps = _Sleeps("delayed_compute", cycles, hold_cycles, held_stream, met)
     sleeps.on(None)
     # None: the current stream, which the graph replays on.
     with (
         _counting_captures(sleeps.captures),
         _sleeping_before(torch.cuda.CUDAGraph, "replay", sleeps, lambda graph: None),
+        _AsyncCopies(sleeps.captures, inflight=inflight) if inflight is not None else nullcontext(),
     ):
         yield
 

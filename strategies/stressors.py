@@ -128,7 +128,8 @@ def delayed_step(
     holds their stream back, on every stream or on the step's `stress.held_stream`-th alone
     (`stream_delays`; `met`, the streams the runner's earlier delayed steps met, takes the held
     stream modulo their count), the host's accesses to a copy's pinned bytes while the copy is
-    in flight being races the backend hands over (`cuda_races`); with `late="host"` every
+    in flight (late, or queued behind late work) being races the backend hands over
+    (`cuda_races`); with `late="host"` every
     asynchronous copy between host and device lands before the host goes on instead
     (`landed_copies`); anywhere else nothing is entered at all, so an unstressed step pays
     nothing."""
@@ -136,7 +137,7 @@ def delayed_step(
         return nullcontext()
     if stress.late == "host":
         return landed_copies()
-    if stress.late == "compute":
-        return delayed_compute(stress.delay_cycles, hold_cycles, stress.held_stream, met)
     inflight = backend.inflight_copies if isinstance(backend, CudaBackend) else None
+    if stress.late == "compute":
+        return delayed_compute(stress.delay_cycles, hold_cycles, stress.held_stream, met, inflight)
     return delayed_streams(stress.delay_cycles, hold_cycles, stress.held_stream, met, inflight)

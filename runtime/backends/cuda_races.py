@@ -56,7 +56,8 @@ class InflightCopies:
     def __init__(self) -> None:
         self._copies: list[_Copy] = []
         self._races: list[Race] = []
-        self._reported: set[tuple[str, str]] = set()  # (copy's line, host's line), once each
+        # (copy's line, host's line): each pair once until the races are taken
+        self._reported: set[tuple[str, str]] = set()
 
     def queued(self, host: torch.Tensor, stream: Any, upload: bool, op: str) -> None:
         """A non-blocking copy between `host` and a cuda device was just queued on `stream`
@@ -101,8 +102,10 @@ class InflightCopies:
                     self._race(copy, located[1], shared, func, write)
 
     def take(self) -> list[Race]:
-        """The races found since the last call, first found first."""
+        """The races found since the last call, first found first; forgets them, so the same race
+        is reported again when it happens again (a failing example replayed, as when shrinking)."""
         races, self._races = self._races, []
+        self._reported.clear()
         return races
 
     def _race(

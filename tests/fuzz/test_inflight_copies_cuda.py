@@ -15,7 +15,7 @@ import torch
 from pytest_graphmode.runtime import backends
 from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.runtime.backends.cuda_races import InflightCopies
-from pytest_graphmode.strategies.stream_delays import delayed_streams
+from pytest_graphmode.strategies.stream_delays import delayed_compute, delayed_streams
 from tests.xdist import other_workers
 
 pytestmark = pytest.mark.graphmode_cuda
@@ -94,6 +94,19 @@ def test_a_host_write_to_bytes_the_upload_does_not_read_is_no_race(be):
     assert inflight.take() == []
 
 
+def test_the_same_race_is_reported_again_after_the_races_were_taken(be):
+    # a failing example replayed in the same process (shrinking) must fail again
+    inflight = InflightCopies()
+    for _ in range(2):
+        staging, device = _staged(be)
+        for _ in range(2):
+            with delayed_streams(CYCLES, inflight=inflight):
+                device.copy_(staging, non_blocking=True)
+                staging.fill_(1.0)
+        be.synchronize()
+        assert len(inflight.take()) == 1  # the same two lines, once per take
+
+
 def test_a_write_into_the_next_steps_buffer_in_a_later_scope_races_the_upload_still_in_flight(be):
     staging, device = _staged(be)
     inflight = InflightCopies()
@@ -120,6 +133,17 @@ def test_a_host_read_of_a_download_in_flight_is_a_race_and_after_its_stream_is_n
     assert race.earlier.access == "write" and race.later.access == "read"
     assert race.earlier.op == "aten.copy_ (non-blocking, device to host)"
     assert race.byte_range == (0, 4)
+
+
+def test_an_upload_queued_behind_late_computation_is_in_flight_too(be):
+    staging, device = _staged(be)
+    inflight = InflightCopies()
+    with delayed_compute(CYCLES, inflight=inflight):
+        device.copy_(staging, non_blocking=True)  # not delayed itself: behind the entry's sleep
+        staging.fill_(1.0)
+    be.synchronize()
+    (race,) = inflight.take()
+    assert race.earlier.op == "aten.copy_ (non-blocking, host to device)"
 
 
 def test_pageable_host_memory_is_not_noted(be):
