@@ -101,8 +101,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pytest_graphmode.runtime.backends import footprint
 from pytest_graphmode.runtime.backends.cuda_races import InflightCopies
-from pytest_graphmode.runtime.backends.sim import footprint
 
 # The delays' own frames issue the copies they note: the program's line is the caller's.
 footprint.hide_file(__file__)

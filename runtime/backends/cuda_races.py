@@ -30,10 +30,15 @@ from typing import Any
 
 import torch
 
+from pytest_graphmode.runtime.backends import footprint, op_kinds
+from pytest_graphmode.runtime.backends.footprint import Footprint
 from pytest_graphmode.runtime.backends.race import Race, RaceSide
-from pytest_graphmode.runtime.backends.sim import footprint, ops
-from pytest_graphmode.runtime.backends.sim.footprint import Footprint
 
+# Operations that touch no bytes of their tensors: allocations shaped like them, and questions
+# about their type, shape or memory.
+_TOUCH_NO_BYTES = (
+    op_kinds.EMPTY_OPS | op_kinds.METADATA_QUERIES | {torch.ops.aten.is_pinned.default}
+)
 # Races kept until taken: the first few say what is wrong; a runner that races every step would
 # otherwise grow the list for as long as the campaign runs.
 _MOST_RACES = 16
@@ -116,7 +121,7 @@ class InflightCopies:
         if key in self._reported or len(self._races) >= _MOST_RACES:
             return
         self._reported.add(key)
-        later = RaceSide(ops.op_name(func), "the host", where, "write" if write else "read")
+        later = RaceSide(str(func.overloadpacket), "the host", where, "write" if write else "read")
         self._races.append(Race(host.describe(), host.storage, shared, copy.side, later))
 
 
@@ -126,10 +131,9 @@ def _host_touches(
     """The tensors `func` touches and whether it writes each, when every one of them is in host
     memory (the host runs it now); none when one is on a device (it runs in stream order), and
     none for a view or an allocation, which touch no bytes."""
-    facts = ops.facts(func)
-    if facts.quiet:
+    if func in _TOUCH_NO_BYTES or op_kinds.is_view(func):
         return []
-    written = facts.written_positions
+    written = op_kinds.written_arguments(func)
     # an argument written in place is found by its position, or by its name when passed by name
     writes = {position for position, _ in written} | {name for _, name in written}
     found: list[tuple[torch.Tensor, bool]] = []

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from pytest_graphmode.runtime.backends.sim import footprint, ops
+from pytest_graphmode.runtime.backends import footprint
+from pytest_graphmode.runtime.backends.sim import ops
 from pytest_graphmode.runtime.backends.sim.happens_before import HOST, Touch
 from pytest_graphmode.runtime.backends.sim.ops import OpFacts
 from pytest_graphmode.runtime.backends.sim.state import SimState

@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from pytest_graphmode.runtime.backends import footprint
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
-from pytest_graphmode.runtime.backends.sim import footprint, ops
+from pytest_graphmode.runtime.backends.footprint import Footprint
+from pytest_graphmode.runtime.backends.sim import ops
 from pytest_graphmode.runtime.backends.sim.capture_order import Branches, CaptureOrder
 from pytest_graphmode.runtime.backends.sim.device import (
     POOL_BLOCK,
@@ -28,7 +30,6 @@ from pytest_graphmode.runtime.backends.sim.device import (
     VIEW_OF,
     SimDeviceTensor,
 )
-from pytest_graphmode.runtime.backends.sim.footprint import Footprint
 from pytest_graphmode.runtime.backends.sim.generators import CapturedDraws, philox_state
 from pytest_graphmode.runtime.backends.sim.happens_before import Touch
 from pytest_graphmode.runtime.backends.sim.pool import BlockReturns, SimPoolHandle, poison_

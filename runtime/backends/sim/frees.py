@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from pytest_graphmode.runtime.backends.footprint import Footprint, format_line, source_line
 from pytest_graphmode.runtime.backends.race import Race, RaceSide
 from pytest_graphmode.runtime.backends.sim.capture import storage_tensor_count
-from pytest_graphmode.runtime.backends.sim.footprint import Footprint, format_line, source_line
 from pytest_graphmode.runtime.backends.sim.happens_before import RaceChecker, Touch
 
 # Allocations noted on streams other than the default one before those since freed are forgotten

@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from pytest_graphmode.runtime.backends.race import Race, RaceSide
-from pytest_graphmode.runtime.backends.sim.footprint import (
+from pytest_graphmode.runtime.backends.footprint import (
     Footprint,
     format_line,
     overlap,
     source_line,
 )
+from pytest_graphmode.runtime.backends.race import Race, RaceSide
 
 HOST = -1
 """The agent id of the host; streams use their `stream_id`."""

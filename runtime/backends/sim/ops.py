@@ -15,6 +15,12 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_map
 
+from pytest_graphmode.runtime.backends.op_kinds import (
+    EMPTY_OPS,
+    METADATA_QUERIES,
+    is_view,
+    written_arguments,
+)
 from pytest_graphmode.runtime.backends.sim.device import on_device
 from pytest_graphmode.runtime.backends.sim.float8 import CUDA_ARGUMENT_CHECKS
 
@@ -42,21 +48,10 @@ _DATA_DEPENDENT = {
     # CUDA reads the largest value on the host to size the output, also with a minlength
     "bincount",
 }
-# Allocation without computation: a replay has nothing to do for these.
-EMPTY_OPS = {
-    aten.empty.memory_format,
-    aten.empty_strided.default,
-    aten.empty_like.default,
-    aten.new_empty.default,
-    aten.new_empty_strided.default,
-}
 # Advanced indexing: its indices (argument 1) may be host tensors on a device tensor.
 INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default}
 # Host data turned into a tensor inside the capture: the graph keeps it as a constant.
 CONSTANT_OPS = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
-# Questions about two tensors' types and shapes, asked of host and device tensors alike (in
-# inference mode `nn.Module.to` asks the first one of the dispatcher): no device work, no read.
-METADATA_QUERIES = {aten._has_compatible_shallow_copy_type.default, aten.is_same_size.default}
 
 _TENSOR_RETURN_TYPES = {
     "Tensor",
@@ -153,22 +148,14 @@ class OpFacts:
         self.name = op_name(func)
         schema = func._schema
         rets = schema.returns
-        # Every return aliases an input without writing it (view, alias, detach, split...).
-        self.is_view = bool(rets) and all(
-            r.alias_info is not None and not r.alias_info.is_write for r in rets
-        )
+        self.is_view = is_view(func)
         # Allocation without computation: a replay has nothing to do for these.
         self.empty = func in EMPTY_OPS
         # Metadata or allocation only: nothing to order, nothing for the race checker.
         self.quiet = self.is_view or self.empty
         self.return_count = len(rets)
         self.fresh_positions = tuple(i for i, r in enumerate(rets) if r.alias_info is None)
-        # (position, name) of the arguments it writes in place (self of add_, out= of add.out)
-        self.written_positions = tuple(
-            (i, arg.name)
-            for i, arg in enumerate(schema.arguments)
-            if arg.alias_info is not None and arg.alias_info.is_write
-        )
+        self.written_positions = written_arguments(func)
         # The operation makes a fresh tensor (a factory, or any op with a non-aliasing return).
         self.allocates = self.empty or bool(self.fresh_positions)
         # Grows its first argument's storage in place, where CUDA allocates a larger block.

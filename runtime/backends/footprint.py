@@ -3,8 +3,10 @@
 A tensor's footprint is the byte interval of its storage that its elements span, plus its layout
 when it does not cover that interval densely (a strided view, an expanded tensor): two views of one
 buffer whose intervals overlap conflict only if they share a byte, which `overlap` decides from the
-layouts. The race checker (happens_before.py) keys its history by storage base address and keeps
-footprints, never tensors or storages, so it keeps no memory alive.
+layouts. The sim's race checker (sim/happens_before.py) keys its history by storage base address
+and keeps footprints, never tensors or storages, so it keeps no memory alive; cuda's reports of
+copies in flight (cuda_races.py) keep them the same way. Imports torch alone: the cuda path uses it
+without loading the sim.
 """
 
 from __future__ import annotations
