@@ -70,16 +70,21 @@ class InflightCopies:
         with it before the copy call returns. The caller has made sure no capture is underway."""
         if not host.is_pinned():
             return
-        located = footprint.of(host)
-        if located is None:
-            return
         done = torch.cuda.Event()
         # The class's own record: the delays replace `torch.cuda.Event.record` with one that
         # sleeps first, and this event must mark the copy, not a sleep after it.
         torch._C._CudaEventBase.record(done, stream)
-        access = "read" if upload else "write"
+        self.note(host, upload, done, f"{op} (non-blocking, {_direction(upload)})", _named(stream))
+
+    def note(self, host: torch.Tensor, upload: bool, done: Any, op: str, stream: str) -> None:
+        """What `queued` notes of a copy, given what tells when it is done (anything whose
+        `query()` says whether it has completed), the copy's `op` and its `stream`, as a race
+        report names them."""
+        located = footprint.of(host)
+        if located is None:
+            return
         where = footprint.format_line(footprint.source_line())
-        side = RaceSide(f"{op} (non-blocking, {_direction(upload)})", _named(stream), where, access)
+        side = RaceSide(op, stream, where, "read" if upload else "write")
         self._copies.append(_Copy(located[1], upload, done, side))
 
     @property

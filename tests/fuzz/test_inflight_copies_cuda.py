@@ -94,19 +94,6 @@ def test_a_host_write_to_bytes_the_upload_does_not_read_is_no_race(be):
     assert inflight.take() == []
 
 
-def test_the_same_race_is_reported_again_after_the_races_were_taken(be):
-    # a failing example replayed in the same process (shrinking) must fail again
-    inflight = InflightCopies()
-    for _ in range(2):
-        staging, device = _staged(be)
-        for _ in range(2):
-            with delayed_streams(CYCLES, inflight=inflight):
-                device.copy_(staging, non_blocking=True)
-                staging.fill_(1.0)
-        be.synchronize()
-        assert len(inflight.take()) == 1  # the same two lines, once per take
-
-
 def test_a_write_into_the_next_steps_buffer_in_a_later_scope_races_the_upload_still_in_flight(be):
     staging, device = _staged(be)
     inflight = InflightCopies()

@@ -1,0 +1,119 @@
+"""Which host operations race a copy in flight (runtime/backends/cuda_races.py), judged on the CPU:
+the copies are noted with a stand-in for their event, the host operations are ATen's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_graphmode.runtime.backends.cuda_races import InflightCopies
+
+aten = torch.ops.aten
+
+
+class _Completion:
+    """A copy's event: not done until the test says so."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def _noted(upload: bool) -> tuple[InflightCopies, torch.Tensor, _Completion]:
+    inflight, host, completion = InflightCopies(), torch.zeros(8), _Completion()
+    inflight.note(host[:4], upload, completion, "aten.copy_ (non-blocking)", "stream #3")
+    return inflight, host, completion
+
+
+def test_a_host_write_into_an_uploads_bytes_is_a_race_naming_both_sides():
+    inflight, host, _ = _noted(upload=True)
+    inflight.host_operation(aten.fill_.Scalar, (host[2:6], 1.0), {})
+    (race,) = inflight.take()
+    assert race.byte_range == (8, 16)
+    assert (race.earlier.op, race.earlier.stream, race.earlier.access) == (
+        "aten.copy_ (non-blocking)",
+        "stream #3",
+        "read",
+    )
+    assert (race.later.op, race.later.stream, race.later.access) == (
+        "aten.fill_",
+        "the host",
+        "write",
+    )
+    assert race.later.line.startswith("tests/backends/test_inflight_copies.py:")
+
+
+@pytest.mark.parametrize(
+    ("upload", "operation", "races"),
+    [
+        (True, "read", False),  # the upload reads the bytes too
+        (False, "read", True),  # the download has not written them yet
+        (False, "write", True),  # the download lands over the host's write
+        (True, "write of other bytes", False),
+        (True, "write to another buffer", False),
+    ],
+)
+def test_what_races_a_copy_in_flight(upload, operation, races):
+    inflight, host, _ = _noted(upload)
+    if operation == "read":
+        inflight.host_operation(aten.sum.default, (host[1:3],), {})
+    elif operation == "write":
+        inflight.host_operation(aten.copy_.default, (host[3:5], torch.ones(2)), {})
+    elif operation == "write of other bytes":
+        inflight.host_operation(aten.fill_.Scalar, (host[4:],), {"value": 1.0})
+    else:
+        inflight.host_operation(aten.fill_.Scalar, (torch.zeros(8), 1.0), {})
+    assert bool(inflight.take()) == races
+
+
+def test_an_argument_written_by_name_is_a_write():
+    inflight, host, _ = _noted(upload=True)
+    inflight.host_operation(aten.add.out, (torch.ones(4), torch.ones(4)), {"out": host[:4]})
+    (race,) = inflight.take()
+    assert race.later.access == "write"
+
+
+@pytest.mark.parametrize(
+    "operation",
+    [
+        (aten.slice.Tensor, (0, 0, 2)),  # a view: no bytes touched
+        (aten.empty_like.default, ()),  # an allocation shaped like it
+        (aten.is_pinned.default, ()),  # a question about its memory
+    ],
+)
+def test_operations_that_touch_no_bytes_race_nothing(operation):
+    inflight, host, _ = _noted(upload=False)
+    func, rest = operation
+    inflight.host_operation(func, (host, *rest), {})
+    assert inflight.take() == []
+
+
+def test_an_operation_on_a_device_tensor_runs_in_stream_order_and_races_nothing():
+    inflight, host, _ = _noted(upload=False)
+    device = torch.zeros(4, device="meta")  # any tensor not in host memory
+    inflight.host_operation(aten.copy_.default, (device, host[:4]), {})
+    assert inflight.take() == []
+
+
+def test_a_completed_copy_races_nothing_and_is_forgotten():
+    inflight, host, completion = _noted(upload=True)
+    completion.done = True
+    inflight.host_operation(aten.fill_.Scalar, (host, 1.0), {})
+    assert inflight.take() == []
+    assert not inflight.pending
+
+
+def test_one_pair_of_lines_once_until_taken_then_again():
+    # a failing example replayed in the same process (shrinking) must fail again
+    inflight, host, _ = _noted(upload=True)
+
+    def write() -> None:  # one line of the program, met again and again
+        inflight.host_operation(aten.fill_.Scalar, (host, 1.0), {})
+
+    for _ in range(3):
+        write()
+    assert len(inflight.take()) == 1
+    write()
+    assert len(inflight.take()) == 1
