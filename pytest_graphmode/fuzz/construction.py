@@ -31,7 +31,7 @@ def made_twins_violations(
 ) -> tuple[list[Violation], str]:
     """The first violation of the twins as made, and which twin shows it ("" for a race, which
     all twins ran the same code into): stream races while they were made (None: the backend has
-    no race checker), then each named twin's `state()` against the eager twin's (`reference`)."""
+    no race checker; on cuda nothing is delayed while they are made), then each named twin's `state()` against the eager twin's (`reference`)."""
     found = race_check.no_stream_races(races or ())
     if found:
         return found, ""

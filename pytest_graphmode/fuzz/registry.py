@@ -75,8 +75,8 @@ class Evidence:
     held: Sequence[tuple[StepResult, int]] = ()
     step: int = 0  # the step's index in its schedule, for the messages that name another step
     # Stream races the backend found since the previous step's checks: during the twins' steps
-    # (all of them run the same runner code) and the harness work around them; None where the
-    # backend has no race checker (cuda).
+    # (all of them run the same runner code) and the harness work around them (on cuda only the
+    # copies in flight the delayed steps found); None where the backend has no race checker.
     races: Sequence[Race] | None = None
     # The precision float32 matrix products rounded to during the step where coarser than
     # float32 (`tolerance.matmul_precision`: TF32 on cuda), None where they did not.
