@@ -24,6 +24,7 @@ capture begun in torch's global mode with an error.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -136,11 +137,9 @@ def _host_touches(
     """The tensors `func` touches and whether it writes each, when every one of them is in host
     memory (the host runs it now); none when one is on a device (it runs in stream order), and
     none for a view or an allocation, which touch no bytes."""
-    if func in _TOUCH_NO_BYTES or op_kinds.is_view(func):
+    writes = _written_places(func)
+    if writes is None:
         return []
-    written = op_kinds.written_arguments(func)
-    # an argument written in place is found by its position, or by its name when passed by name
-    writes = {position for position, _ in written} | {name for _, name in written}
     found: list[tuple[torch.Tensor, bool]] = []
     for place, value in [*enumerate(args), *kwargs.items()]:
         for tensor in _tensors(value):
@@ -148,6 +147,16 @@ def _host_touches(
                 return []
             found.append((tensor, place in writes))
     return found
+
+
+@functools.cache
+def _written_places(func: Any) -> frozenset[int | str] | None:
+    """The positions and names of the arguments `func` writes in place (one is found by its
+    position, or by its name when passed by name); None for an operation that touches no bytes."""
+    if func in _TOUCH_NO_BYTES or op_kinds.is_view(func):
+        return None
+    written = op_kinds.written_arguments(func)
+    return frozenset(place for position, name in written for place in (position, name))
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
