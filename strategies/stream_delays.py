@@ -375,8 +375,8 @@ class _AsyncCopies(TorchDispatchMode):
         device = async_copy_device(func, args, kwargs)
         inflight = self.inflight
         if device is None:
-            if inflight is not None and inflight.pending and not self.captures.underway(None):
-                inflight.host_operation(func, args, kwargs)
+            if inflight is not None and inflight.pending:
+                inflight.host_operation(func, args, kwargs, lambda: self.captures.underway(None))
             return func(*args, **kwargs)
         stream = _current_stream(device)
         if sleeps is not None:

@@ -25,7 +25,7 @@ capture begun in torch's global mode with an error.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,12 +93,19 @@ class InflightCopies:
         """Whether any copy noted may still be in flight (asks nothing of the device)."""
         return bool(self._copies)
 
-    def host_operation(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    def host_operation(
+        self,
+        func: Any,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        capturing: Callable[[], bool] = lambda: False,
+    ) -> None:
         """`func(*args, **kwargs)` is about to run: where it runs on the host, a race with every
-        noted copy still in flight whose host bytes it writes, or, for a download, reads. The
-        caller has made sure no capture is underway (the module docstring says why)."""
+        noted copy still in flight whose host bytes it writes, or, for a download, reads.
+        `capturing` says whether a capture is underway, asked only of an operation that runs on
+        the host: nothing is asked of the device then (the module docstring says why)."""
         touched = _host_touches(func, args, kwargs)
-        if not touched:
+        if not touched or capturing():
             return
         self._copies = [copy for copy in self._copies if not copy.done.query()]
         for tensor, write in touched:

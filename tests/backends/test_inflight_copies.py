@@ -117,3 +117,23 @@ def test_one_pair_of_lines_once_until_taken_then_again():
     assert len(inflight.take()) == 1
     write()
     assert len(inflight.take()) == 1
+
+
+def test_nothing_is_asked_of_the_device_while_a_capture_is_underway():
+    inflight, host, completion = _noted(upload=True)
+    queries = []
+    completion.query = lambda: queries.append(1) or False  # type: ignore[method-assign]
+    inflight.host_operation(aten.fill_.Scalar, (host, 1.0), {}, lambda: True)
+    assert inflight.take() == [] and queries == []
+
+
+def test_whether_a_capture_is_underway_is_asked_only_of_a_host_operation():
+    inflight, host, _ = _noted(upload=False)
+
+    def asked() -> bool:
+        raise AssertionError("asked for an operation that runs in stream order")
+
+    device = torch.zeros(4, device="meta")
+    inflight.host_operation(aten.add_.Tensor, (device, device), {}, asked)
+    inflight.host_operation(aten.slice.Tensor, (host, 0, 0, 2), {}, asked)
+    assert inflight.take() == []

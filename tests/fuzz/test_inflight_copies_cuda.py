@@ -7,8 +7,6 @@ change: no value shows it, only that the copy had not run when the host touched 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -16,29 +14,11 @@ from pytest_graphmode.runtime import backends
 from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.runtime.backends.cuda_races import InflightCopies
 from pytest_graphmode.strategies.stream_delays import delayed_compute, delayed_streams
-from tests.xdist import other_workers
 
 pytestmark = pytest.mark.graphmode_cuda
 
 CYCLES = 50_000_000  # about 25 ms at 2 GHz: the copy is still queued when the host goes on
 WORDS = 1 << 12
-
-
-@pytest.fixture
-def be() -> Iterator[Backend]:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if other_workers():
-        pytest.skip(
-            "the delay keeps the copy in flight only on a GPU this process has alone: run this "
-            "file without xdist (-p no:xdist)"
-        )
-    backend = backends.get("cuda")
-    backend.synchronize()
-    backend.take_races()
-    yield backend
-    backend.synchronize()
-    backend.take_races()
 
 
 def _staged(be: Backend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,6 +129,7 @@ def test_the_backend_hands_over_what_a_stressed_steps_delays_found(be):
     from pytest_graphmode.strategies.plans import Stress
     from pytest_graphmode.strategies.stressors import delayed_step
 
+    be.take_races()  # found before this test: not its races
     staging, device = _staged(be)
     with delayed_step(be, Stress(delay_cycles=CYCLES), CYCLES):
         device.copy_(staging, non_blocking=True)

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from pytest_graphmode.runtime import backends
-from pytest_graphmode.runtime.backends import Backend
 from pytest_graphmode.strategies.stream_delays import (
     delayed_compute,
     delayed_streams,
@@ -23,38 +20,11 @@ from pytest_graphmode.strategies.stream_delays import (
     sleep_cycles_per_second,
 )
 from tests.conformance.case import another_stream
-from tests.xdist import other_workers
 
 pytestmark = pytest.mark.graphmode_cuda
 
 CYCLES = 50_000_000  # about 25 ms at 2 GHz
 WORDS = 1 << 16
-
-
-@pytest.fixture
-def any_be() -> Iterator[Backend]:
-    """The cuda backend, for a test whose outcome no timing decides."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    backend = backends.get("cuda")
-    backend.synchronize()
-    yield backend
-    backend.synchronize()
-
-
-@pytest.fixture
-def be(any_be: Backend) -> Backend:
-    """The cuda backend, for a test whose outcome a delay decides. The delays count the SM's
-    clock, which runs on while the GPU serves another process's context: on a GPU shared by
-    twelve pytest workers (the H100, 2026-12-07) a delay of 25 ms ran out before the work it held
-    back was due and four of these races came out the other way."""
-    others = other_workers()
-    if others:
-        pytest.skip(
-            f"the delays time the race on a GPU this process has alone; the other {others} "
-            "pytest workers share it: run this file without xdist (-p no:xdist)"
-        )
-    return any_be
 
 
 def _staged(be, value):

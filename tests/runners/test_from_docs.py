@@ -466,7 +466,13 @@ ON_CUDA["query_start_padding_stale"] = ("replay_matches_eager", "padding_inert")
 # it; the sim lets the later write land, and catches it at the eighth example. (The races of
 # `kv_swap_in_race` and `async_download_overwritten` were here until the leading examples held
 # each stream back alone in decode steps on a graph, `first_graph_stream_sweep`; so was
-# `shared_expert_stream_inplace`'s until the cuda delays held back a stream the step enters.)
+# `shared_expert_stream_inplace`'s until the cuda delays held back a stream the step enters; and
+# `mm_embed_mask_single_pinned`'s, one pinned mask rewritten for the next step while the step before
+# still uploads it, which changes a value only where the two steps' tokens at one position fall on
+# different sides of the vision range (seeds 0, 3, 4, 5 passed 12 examples on the H100, seed 0
+# also 60), until the delayed pair's host write into the mask in flight became a race whatever
+# the values: `no_stream_races`, cuda_races.py, at step 1 of the second leading example on seeds
+# 0-5, the H100, 2026-12-07, evening.)
 NOT_SHOWN_ON_CUDA = {"placeholder_substitution"}
 # Races the sim reports when the twins are made, from its race checker; on a GPU only a value
 # can show them, in a step (the routed experts reading the shared expert's output through the
@@ -494,11 +500,6 @@ ON_CUDA["swa_loc_padding_stale"] = ("kv_writes_confined", "replay_matches_eager"
 # past a buffer (a device-side assert), at step 0 of the first example, seeds 0-2 (the H100,
 # 2026-12-06, night).
 ON_CUDA["prefill_aliases_uniform_decode"] = ("replay_matches_eager", "no_device_fault")
-# One pinned mask rewritten for the next step while the step before still uploads it changes a
-# value only where the two steps' tokens at one position fall on different sides of the vision
-# range (seeds 0, 3, 4, 5 passed 12 examples on the H100, seed 0 also 60); the delayed pair's host
-# write into the mask in flight is a race whatever the values (`no_stream_races`, cuda_races.py):
-# step 1 of the second leading example on seeds 0-5 (the H100, 2026-12-07, evening).
 # The padding rows' keys in slot 0's shared block change a valid row: against the eager twin, or
 # first against the twin whose padding the harness did not poison (step 0 of the second example,
 # seed 0, the H100, 2026-12-07).
