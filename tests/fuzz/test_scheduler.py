@@ -400,6 +400,19 @@ def test_a_delayed_step_alone_makes_its_copies_or_the_host_late_and_a_pair_copie
         find(pairs, lambda s: s.pipelined and s.late == "host")
 
 
+def test_a_stress_without_a_delay_carries_none_of_the_delays_settings():
+    # They change nothing without a delay, yet would make a no-op a stressed step in the
+    # schedule and its replay snippet.
+    for pipelined in (False, True):
+        with pytest.raises(NoSuchExample):
+            find(
+                schedules_module.stresses(SPEC, pipelined),
+                lambda s: not s.delay_cycles and (s.held_stream is not None or s.late != "copies"),
+            )
+    held = find(schedules_module.stresses(SPEC), lambda s: s.held_stream is not None)
+    assert held.delay_cycles == DELAY_CYCLES
+
+
 # Graphs every 8 tokens from 8 (as engines capture them): 6 requests of 1 + 3 tokens fill 24.
 EVERY_EIGHT = dataclasses.replace(WIDE, capture_sizes=(1, 2, 4, 8, 16, 24, 32))
 
