@@ -61,6 +61,7 @@ from pytest_graphmode.fuzz.snippet import replay_snippet
 from pytest_graphmode.fuzz.tolerance import matmul_precision
 from pytest_graphmode.fuzz.violation import Violation
 from pytest_graphmode.runtime.backends import Backend, capture_error_of
+from pytest_graphmode.runtime.backends.footprint import issuing
 from pytest_graphmode.strategies import stressors
 from pytest_graphmode.strategies.idle_blocks import (
     MarkedBlocks,
@@ -465,8 +466,9 @@ class Lockstep:
                     previous = steps[step + 1].batch
                     step += 2
                     continue
-                held = self._stress(first.stress, previous, first.batch, self._rng(step))
-                violations, kept = self._check_step(step, first.batch, kept, first.stress)
+                with issuing(f"step {step}"):  # a race's sides say which step they came from
+                    held = self._stress(first.stress, previous, first.batch, self._rng(step))
+                    violations, kept = self._check_step(step, first.batch, kept, first.stress)
                 held.clear()  # churned tensors live exactly across the step
             except GraphmodeFailure:
                 raise
@@ -680,12 +682,14 @@ class Lockstep:
         the states over the pair (before the first step, after the second): the writes with the
         first step, the states after the pair with the second (see `Evidence`).
         """
-        churned = self._stress(first.stress, previous, first.batch, self._rng(step))
-        marked = self._mark_blocks([first.batch, second.batch])
-        try:
-            judged, graph1, ref1 = self._pair_evidence(step, first, second, kept)
-        finally:
-            marked.restore()
+        # The second step's work names step + 1 (`_pair_evidence`).
+        with issuing(f"step {step}, the first of a pipelined pair"):
+            churned = self._stress(first.stress, previous, first.batch, self._rng(step))
+            marked = self._mark_blocks([first.batch, second.batch])
+            try:
+                judged, graph1, ref1 = self._pair_evidence(step, first, second, kept)
+            finally:
+                marked.restore()
         churned.clear()
         for evidence in judged:
             violations = self._first_violation(evidence)
@@ -718,9 +722,11 @@ class Lockstep:
         # Read now, after the eager twin's first step: unchanged by it, as the contract asks.
         kept0 = [(frozen(result), then, at) for result, then, at in kept]
         ref1: _References | None = None
+        second_step = f"step {step + 1}, the second of a pipelined pair"
         if not ref0.eager.error:  # else the pair fails at its first step
             stressors.poison_null_block(self.eager.state(), self.spec)
-            ref1 = self._references(second.batch)
+            with issuing(second_step):
+                ref1 = self._references(second.batch)
         ended = ref1 is None or bool(ref1.eager.error)
         eager_after = {} if ended else snapshot(self.eager.state())
         clean_after = {} if ended else snapshot(self.clean.state())
@@ -730,8 +736,9 @@ class Lockstep:
         graph0 = self._graph_step(first.batch, _pair_delay(first.stress, second.stress), both)
         graph1: Outcome | None = None
         if ref1 is not None and graph0.error is None:
-            stressors.delay(self.backend, second.stress)
-            graph1 = self._graph_step(second.batch, second.stress)
+            with issuing(second_step):
+                stressors.delay(self.backend, second.stress)
+                graph1 = self._graph_step(second.batch, second.stress)
         self._count(step, first.batch, graph0.result)
         self.stats.pipelined_steps += 1
         # A twin that raised owes no consistent state: the pair's states are then not read.

@@ -26,6 +26,7 @@ from pytest_graphmode.fuzz.lockstep import Lockstep, snapshot, step_outcome
 from pytest_graphmode.fuzz.rank_checks import RANKS_AGREE, RankReport, first_violation
 from pytest_graphmode.fuzz.registry import Kept
 from pytest_graphmode.fuzz.violation import Violation
+from pytest_graphmode.runtime.backends.footprint import issuing
 from pytest_graphmode.runtime.data_parallel import DataParallel, joined
 from pytest_graphmode.strategies.plans import Stress
 from pytest_graphmode.strategies.rank_schedules import RankEvent, RankFault
@@ -86,13 +87,14 @@ class RankLockstep(Lockstep):
                 continue
             self._arrive(step)
             rng = random.Random(self.seed * 1_000_003 + step)
-            held = self._stress(pending, previous, event, rng)
-            self._last = None
-            with self._faults(fault):
-                if event.requests:
-                    violations, kept = self._check_step(step, event, kept, pending)
-                else:
-                    violations = self._check_idle(step, event, pending)
+            with issuing(f"step {step}"):  # a race's sides say which step they came from
+                held = self._stress(pending, previous, event, rng)
+                self._last = None
+                with self._faults(fault):
+                    if event.requests:
+                        violations, kept = self._check_step(step, event, kept, pending)
+                    else:
+                        violations = self._check_idle(step, event, pending)
             held.clear()
             pending, fault = Stress(), RankFault()
             finding = self._judge(step, event, violations)

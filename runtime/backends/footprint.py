@@ -14,7 +14,8 @@ from __future__ import annotations
 import bisect
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
@@ -167,9 +168,30 @@ _HIDDEN = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, _bac
 _hidden_files: dict[str, bool] = {}
 
 
-def source_line() -> tuple[str, int]:
-    """(file, line) of the innermost frame outside torch and outside the backends: the line of the
-    runner (or harness) that issued the operation. Keeps no frame."""
+# (file, line, what the harness was issuing then: "" or "step 5"); see `issuing`.
+Line = tuple[str, int, str]
+
+_issuing = ""
+
+
+@contextmanager
+def issuing(what: str) -> Iterator[None]:
+    """Inside, every line `source_line` gives names `what` (such as "step 5"), so that a race
+    whose two sides come from different steps (a pipelined pair, a copy queued a step before)
+    says which step each came from. A plain global, not a context variable: a runner's own
+    threads issue the step's work too."""
+    global _issuing
+    before, _issuing = _issuing, what
+    try:
+        yield
+    finally:
+        _issuing = before
+
+
+def source_line() -> Line:
+    """(file, line, step) of the innermost frame outside torch and outside the backends: the line
+    of the runner (or harness) that issued the operation, and what the harness was issuing then
+    (`issuing`). Keeps no frame."""
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
@@ -177,9 +199,9 @@ def source_line() -> tuple[str, int]:
         if hidden is None:
             hidden = _hidden_files[path] = path.startswith(_HIDDEN)
         if not hidden:
-            return path, frame.f_lineno
+            return path, frame.f_lineno, _issuing
         frame = frame.f_back  # type: ignore[assignment]
-    return "<unknown>", 0
+    return "<unknown>", 0, _issuing
 
 
 def hide_file(path: str) -> None:
@@ -188,8 +210,10 @@ def hide_file(path: str) -> None:
     _hidden_files[path] = True
 
 
-def format_line(line: tuple[str, int]) -> str:
-    """`path:line`, the path relative to the working directory when it lies below it."""
-    path, lineno = line
+def format_line(line: Line) -> str:
+    """`path:line`, the path relative to the working directory when it lies below it, and the
+    step it was issued in where the harness named one (`path:line, in step 5`)."""
+    path, lineno, step = line
     here = os.getcwd() + os.sep
-    return f"{path.removeprefix(here)}:{lineno}"
+    where = f"{path.removeprefix(here)}:{lineno}"
+    return f"{where}, in {step}" if step else where

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pytest_graphmode.runtime.backends.cuda_races import InflightCopies
+from pytest_graphmode.runtime.backends.footprint import issuing
 
 aten = torch.ops.aten
 
@@ -43,6 +44,18 @@ def test_a_host_write_into_an_uploads_bytes_is_a_race_naming_both_sides():
         "write",
     )
     assert race.later.line.startswith("tests/backends/test_inflight_copies.py:")
+
+
+def test_each_side_names_the_step_it_was_issued_in():
+    inflight, host, completion = InflightCopies(), torch.zeros(8), _Completion()
+    with issuing("step 6, the first of a pipelined pair"):
+        inflight.note(host[:4], True, completion, "aten.copy_ (non-blocking)", "stream #3")
+    with issuing("step 7, the second of a pipelined pair"):
+        inflight.host_operation(aten.fill_.Scalar, (host, 1.0), {})
+    (race,) = inflight.take()
+    assert race.earlier.line.startswith("tests/backends/test_inflight_copies.py:")
+    assert race.earlier.line.endswith(", in step 6, the first of a pipelined pair")
+    assert race.later.line.endswith(", in step 7, the second of a pipelined pair")
 
 
 @pytest.mark.parametrize(

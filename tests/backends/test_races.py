@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pytest_graphmode.runtime.backends import Race
+from pytest_graphmode.runtime.backends.footprint import issuing
 
 HERE = "test_races.py:"
 
@@ -152,6 +153,27 @@ def test_a_pinned_source_rewritten_by_a_torch_op_before_its_copy_ran(sim, waits)
     [race] = races
     assert (race.earlier.op, race.earlier.access) == ("aten.copy_", "read")
     assert (race.later.op, race.later.stream) == ("aten.fill_.Scalar", "the host")
+
+
+def test_each_side_of_a_race_names_the_step_the_harness_was_issuing(sim):
+    # A race across two steps (a pipelined pair, a copy queued a step before) says which step
+    # each side came from; outside a step a line is the line alone.
+    staging, dst = sim.empty_pinned(4), torch.zeros(4, device=sim.device)
+    staging.fill_(1.0)
+    sim.take_races()
+    with issuing("step 4"):
+        dst.copy_(staging, non_blocking=True)
+    with issuing("step 5"):
+        with issuing("the harness's read"):
+            pass
+        staging.fill_(2.0)  # the outer step again once the inner one is left
+    race = _only_race(sim)
+    assert race.earlier.line.endswith(", in step 4") and HERE in race.earlier.line
+    assert race.later.line.endswith(", in step 5") and HERE in race.later.line
+    assert "in step 4" in race.describe() and "in step 5" in race.describe()
+    dst.copy_(staging, non_blocking=True)
+    staging.fill_(3.0)
+    assert ", in " not in _only_race(sim).later.line
 
 
 @pytest.mark.parametrize("waits", [True, False])

@@ -23,6 +23,8 @@ from pytest_graphmode.strategies.scheduler import compile_schedule
 from pytest_graphmode.strategies.schedules import schedules
 from tests.fuzz import toy
 from tests.fuzz.test_mutants import EXPECTED, PLANS
+from tests.runners.caught import failure_of
+from tests.runners.from_docs import fallback_shares_buffers
 
 PAIRED = Stress(pipelined=True)
 # Steps 2 and 5 are pipelined: the pairs are (1, 2) and (4, 5); the spec step 3 (a weight update)
@@ -169,6 +171,17 @@ def test_a_pairs_failure_describes_both_steps(bug: str, step: int) -> None:
     # how to tell whether the pairing matters: the snippet's pair, run one step after the other
     assert "the snippet with `pipelined=False` in that `Stress`" in failure.message
     assert "pipelined=True" in failure.replay_snippet
+
+
+def test_a_race_across_a_pair_names_the_step_each_side_came_from() -> None:
+    """The runner's copy stream uploads the second step's inputs into the static buffers that the
+    first step's compute, still queued, reads: the race's sides are issued by the two steps of a
+    pair, and its report says so, not only their lines (the same for every step)."""
+    failure = failure_of(fallback_shares_buffers.make_buggy_target, "sim", examples=2)
+    assert failure.check == "no_stream_races", failure.message
+    assert "fallback_shares_buffers.py:" in failure.message
+    assert ", in step 0, the first of a pipelined pair\n" in failure.message, failure.message
+    assert ", in step 1, the second of a pipelined pair\n" in failure.message, failure.message
 
 
 def test_a_block_handed_on_within_a_pair_keeps_what_the_first_step_reads() -> None:

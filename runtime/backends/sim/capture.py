@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from pytest_graphmode.runtime.backends import footprint
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
-from pytest_graphmode.runtime.backends.footprint import Footprint
+from pytest_graphmode.runtime.backends.footprint import Footprint, Line
 from pytest_graphmode.runtime.backends.sim import ops
 from pytest_graphmode.runtime.backends.sim.capture_order import Branches, CaptureOrder
 from pytest_graphmode.runtime.backends.sim.device import (
@@ -53,7 +53,7 @@ class _External:
     stride: tuple[int, ...]
     dtype: torch.dtype
     label: str
-    site: tuple[str, int]  # the runner's line whose operation the capture first saw it in
+    site: Line  # the runner's line whose operation the capture first saw it in
 
 
 @dataclass(slots=True)

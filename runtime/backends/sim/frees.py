@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pytest_graphmode.runtime.backends.footprint import Footprint, format_line, source_line
+from pytest_graphmode.runtime.backends.footprint import Footprint, Line, format_line, source_line
 from pytest_graphmode.runtime.backends.race import Race, RaceSide
 from pytest_graphmode.runtime.backends.sim.capture import storage_tensor_count
 from pytest_graphmode.runtime.backends.sim.happens_before import RaceChecker, Touch
@@ -51,7 +51,7 @@ class _Use:
     __slots__ = ("agent", "epoch", "fp", "line", "op", "write")
 
     def __init__(
-        self, agent: int, epoch: int, fp: Footprint, write: bool, op: str, line: tuple[str, int]
+        self, agent: int, epoch: int, fp: Footprint, write: bool, op: str, line: Line
     ) -> None:
         self.agent, self.epoch, self.fp, self.write = agent, epoch, fp, write
         self.op, self.line = op, line
@@ -111,7 +111,7 @@ class StreamOrderedFrees:
     def used(self, agent: int, touched: Sequence[Touch], op: str) -> None:
         """An operation issued now on `agent` touches these storages."""
         epoch = self._races.epoch(agent)
-        line: tuple[str, int] | None = None
+        line: Line | None = None
         for storage, fp, write in touched:
             address = fp.storage
             if address in self._pinned:
@@ -181,7 +181,7 @@ class StreamOrderedFrees:
         the program has freed while another stream's use of it is not ordered before now; return
         them (to be overwritten) and stop watching every freed one."""
         freed_racing = []
-        line: tuple[str, int] | None = None
+        line: Line | None = None
         for address, watched in list(self.watched.items()):
             if watched.allocated_on != agent:
                 continue
@@ -225,9 +225,7 @@ class StreamOrderedFrees:
             if all(races.passed(u.agent, u.epoch) for u in watched.uses.values()):
                 del self.watched[address]
 
-    def _report(
-        self, watched: _Watched, use: _Use, agent: int, op: str, line: tuple[str, int]
-    ) -> None:
+    def _report(self, watched: _Watched, use: _Use, agent: int, op: str, line: Line) -> None:
         races = self._races
         fp = use.fp
         earlier = RaceSide(

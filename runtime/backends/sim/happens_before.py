@@ -30,6 +30,7 @@ import torch
 
 from pytest_graphmode.runtime.backends.footprint import (
     Footprint,
+    Line,
     format_line,
     overlap,
     source_line,
@@ -56,7 +57,7 @@ class _Access:
     __slots__ = ("agent", "epoch", "fp", "line", "op", "watch", "write")
 
     def __init__(
-        self, fp: Footprint, write: bool, agent: int, epoch: int, op: str, line: tuple[str, int]
+        self, fp: Footprint, write: bool, agent: int, epoch: int, op: str, line: Line
     ) -> None:
         self.fp, self.write, self.agent, self.epoch = fp, write, agent, epoch
         self.op, self.line = op, line
@@ -104,7 +105,7 @@ class RaceChecker:
         # are logged, not recorded (`access`).
         self._pending: set[int] = set()
         self._log_agent = HOST
-        self._log: list[tuple[int, str, tuple[str, int], list[_LoggedTouch]]] = []
+        self._log: list[tuple[int, str, Line, list[_LoggedTouch]]] = []
 
     def take(self) -> list[Race]:
         """The races found since the last call, first found first; forgets them."""
