@@ -12,11 +12,19 @@ at once) that writes the host bytes of an upload, or reads or writes those of a 
 that event has not completed is a race. The copy reads or writes those bytes after the host did,
 so the host needed a wait for the copy (its event, its stream, the device) before touching them.
 
+A host write that torch's dispatcher does not show (through a numpy view of the pinned buffer,
+as engines fill their staging) is found by its bytes instead: an upload's host bytes are copied
+when the copy is noted, and whenever the host is next seen to queue a copy or run an operation
+they are compared with that copy first and the copy's event asked second. Bytes that changed
+before an event that has still not completed were written while the copy was in flight; a change
+seen only once the copy is done may have come after it, and is no race.
+
 Who tells it: the cuda delays (strategies/stream_delays.py) while a stressed step runs, which
 also hold the copies back, so that a copy is still in flight when the host's next access comes;
 across the two steps of a pipelined pair too, since the copies stay noted until they complete.
-Unseen: copies and host accesses outside such a scope, host accesses that bypass torch's
-dispatcher (a numpy view, `tolist()`, ctypes), pageable host memory (a non-blocking copy there is
+Unseen: copies and host accesses outside such a scope, host reads that bypass torch's dispatcher
+(a numpy view, `tolist()`, ctypes), a bypassing write whose bytes were already there or that the
+host is not seen to follow with an operation or a copy before the copy lands, pageable host memory (a non-blocking copy there is
 synchronous for the host) and copies inside a CUDA graph capture (their timing is the replay's).
 No query is made while a capture is underway: asking whether an event has completed ends a
 capture begun in torch's global mode with an error.
@@ -40,12 +48,15 @@ from pytest_graphmode.runtime.backends.race import Race, RaceSide
 _TOUCH_NO_BYTES = (
     op_kinds.EMPTY_OPS | op_kinds.METADATA_QUERIES | {torch.ops.aten.is_pinned.default}
 )
+# Uploads whose host bytes are copied to find writes the dispatcher does not show: larger ones
+# (a staged weight) are left to the value checks rather than copied on every delayed step.
+_MOST_WATCHED_BYTES = 1 << 22
 # Races kept until taken: the first few say what is wrong; a runner that races every step would
 # otherwise grow the list for as long as the campaign runs.
 _MOST_RACES = 16
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Copy:
     """A non-blocking copy still possibly in flight, and how to tell when it is not."""
 
@@ -53,6 +64,9 @@ class _Copy:
     upload: bool  # host to device (the copy reads the host bytes), else device to host (writes)
     done: Any  # a torch.cuda.Event recorded right after the copy on its stream
     side: RaceSide  # the copy, as the earlier side of a race
+    # An upload's host bytes, as a uint8 view, and a copy of them taken when it was noted: how a
+    # write the dispatcher does not show is found (None: not watched, or no longer).
+    watched: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class InflightCopies:
@@ -84,9 +98,22 @@ class InflightCopies:
         located = footprint.of(host)
         if located is None:
             return
+        storage, bytes_ = located
         where = footprint.format_line(footprint.source_line())
+        self._unseen_writes(where)
+        if not upload:  # its landing changes those bytes: no longer a sign of the host's write
+            for copy in self._copies:
+                if copy.watched is not None and footprint.overlap(copy.host, bytes_) is not None:
+                    copy.watched = None
         side = RaceSide(op, stream, where, "read" if upload else "write")
-        self._copies.append(_Copy(located[1], upload, done, side))
+        copy = _Copy(bytes_, upload, done, side)
+        if upload and bytes_.strided is None and bytes_.hi - bytes_.lo <= _MOST_WATCHED_BYTES:
+            # Dense only: the bytes between a strided tensor's elements may be another's.
+            now = torch.empty(0, dtype=torch.uint8).set_(
+                storage, bytes_.lo, (bytes_.hi - bytes_.lo,)
+            )
+            copy.watched = (now, now.clone())
+        self._copies.append(copy)
 
     @property
     def pending(self) -> bool:
@@ -107,6 +134,7 @@ class InflightCopies:
         touched = _host_touches(func, args, kwargs)
         if not touched or capturing():
             return
+        self._unseen_writes(footprint.format_line(footprint.source_line()))
         self._copies = [copy for copy in self._copies if not copy.done.query()]
         for tensor, write in touched:
             located = footprint.of(tensor)
@@ -122,19 +150,52 @@ class InflightCopies:
     def take(self) -> list[Race]:
         """The races found since the last call, first found first; forgets them, so the same race
         is reported again when it happens again (a failing example replayed, as when shrinking)."""
+        if self._copies and not _capturing():
+            # the last chance to see a write the step made after its last operation; and copies
+            # seen done let go of the host bytes they watched
+            self._unseen_writes("the end of the step")
+            self._copies = [copy for copy in self._copies if not copy.done.query()]
         races, self._races = self._races, []
         self._reported.clear()
         return races
+
+    def _unseen_writes(self, where: str) -> None:
+        """A race for every watched upload whose host bytes changed while it is still in flight:
+        the bytes are compared first and the event asked second, so a change seen before a copy
+        that has still not completed was made before the copy read them. `where`: the line the
+        host reached when the change was found."""
+        for copy in self._copies:
+            if copy.watched is None:
+                continue
+            now, then = copy.watched
+            if torch.equal(now, then):
+                continue
+            copy.watched = None  # one report a copy; a change after it completed is no race
+            if not copy.done.query():
+                later = RaceSide(
+                    "a numpy view or another path torch does not see",
+                    "the host",
+                    f"an unknown line (the changed bytes were found at {where})",
+                    "write",
+                )
+                self._report(copy, copy.host, (copy.host.lo, copy.host.hi), later)
 
     def _race(
         self, copy: _Copy, host: Footprint, shared: tuple[int, int], func: Any, write: bool
     ) -> None:
         where = footprint.format_line(footprint.source_line())
-        key = (copy.side.line, where)
+        later = RaceSide(str(func.overloadpacket), "the host", where, "write" if write else "read")
+        if write:
+            copy.watched = None  # the change it makes is this race, not another
+        self._report(copy, host, shared, later)
+
+    def _report(
+        self, copy: _Copy, host: Footprint, shared: tuple[int, int], later: RaceSide
+    ) -> None:
+        key = (copy.side.line, later.line)
         if key in self._reported or len(self._races) >= _MOST_RACES:
             return
         self._reported.add(key)
-        later = RaceSide(str(func.overloadpacket), "the host", where, "write" if write else "read")
         self._races.append(Race(host.describe(), host.storage, shared, copy.side, later))
 
 
@@ -183,3 +244,9 @@ def _named(stream: Any) -> str:
     if stream == torch.cuda.default_stream(stream.device):
         return "the default stream"
     return f"stream #{stream.stream_id}"
+
+
+def _capturing() -> bool:
+    """Whether the current stream is capturing (never without a cuda context: the copies then
+    have stand-ins for their events)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()

@@ -137,7 +137,8 @@ def test_nothing_is_asked_of_the_device_while_a_capture_is_underway():
     queries = []
     completion.query = lambda: queries.append(1) or False  # type: ignore[method-assign]
     inflight.host_operation(aten.fill_.Scalar, (host, 1.0), {}, lambda: True)
-    assert inflight.take() == [] and queries == []
+    assert queries == []
+    assert inflight.take() == []  # taken once the capture is over: then asked
 
 
 def test_whether_a_capture_is_underway_is_asked_only_of_a_host_operation():
@@ -150,3 +151,66 @@ def test_whether_a_capture_is_underway_is_asked_only_of_a_host_operation():
     inflight.host_operation(aten.add_.Tensor, (device, device), {}, asked)
     inflight.host_operation(aten.slice.Tensor, (host, 0, 0, 2), {}, asked)
     assert inflight.take() == []
+
+
+# -- writes the dispatcher does not show (a numpy view of the pinned buffer) ---------------------
+
+
+def _numpy_write(host: torch.Tensor, at: int, value: float) -> None:
+    host.numpy()[at] = value  # no ATen operation: only the bytes tell
+
+
+def test_a_numpy_write_into_an_upload_in_flight_is_found_by_its_bytes_at_the_next_copy():
+    inflight, host, _ = _noted(upload=True)
+    _numpy_write(host, 1, 5.0)
+    inflight.note(torch.zeros(2), True, _Completion(), "aten.copy_ (non-blocking)", "stream #3")
+    (race,) = inflight.take()
+    assert race.later.op == "a numpy view or another path torch does not see"
+    assert (race.later.stream, race.later.access) == ("the host", "write")
+    assert "the changed bytes were found at tests/backends/test_inflight_copies.py:" in (
+        race.later.line
+    )
+    assert race.byte_range == (0, 16) and race.earlier.access == "read"
+
+
+def test_a_numpy_write_is_found_at_the_next_host_operation_or_when_the_races_are_taken():
+    inflight, host, _ = _noted(upload=True)
+    _numpy_write(host, 0, 5.0)
+    inflight.host_operation(aten.add.Tensor, (torch.ones(2), torch.ones(2)), {})
+    assert len(inflight.take()) == 1
+    inflight, host, _ = _noted(upload=True)
+    _numpy_write(host, 3, 5.0)
+    (race,) = inflight.take()
+    assert "found at the end of the step" in race.later.line
+
+
+def test_a_change_seen_only_once_the_upload_completed_is_no_race():
+    # it may have been made after the copy read the bytes
+    inflight, host, completion = _noted(upload=True)
+    _numpy_write(host, 1, 5.0)
+    completion.done = True
+    assert inflight.take() == []
+
+
+def test_a_numpy_write_past_the_uploads_bytes_or_between_its_elements_is_no_race():
+    inflight, host, _ = _noted(upload=True)  # host[:4]
+    _numpy_write(host, 6, 5.0)
+    strided = torch.zeros(8)
+    inflight.note(strided[::2], True, _Completion(), "aten.copy_ (non-blocking)", "stream #3")
+    _numpy_write(strided, 1, 5.0)  # a byte of the span that is none of the upload's
+    assert inflight.take() == []
+
+
+def test_a_download_landing_in_an_uploads_bytes_is_no_host_write():
+    inflight, host, _ = _noted(upload=True)
+    inflight.note(host[2:4], False, _Completion(), "aten.copy_ (non-blocking)", "stream #4")
+    _numpy_write(host, 2, 5.0)  # as the download's landing would
+    assert inflight.take() == []
+
+
+def test_a_dispatched_write_is_one_race_not_two():
+    inflight, host, _ = _noted(upload=True)
+    inflight.host_operation(aten.fill_.Scalar, (host, 1.0), {})
+    host.fill_(1.0)  # what the operation then does to the bytes
+    (race,) = inflight.take()
+    assert race.later.op == "aten.fill_"

@@ -138,3 +138,30 @@ def test_the_backend_hands_over_what_a_stressed_steps_delays_found(be):
     (race,) = be.take_races()
     assert "is not ordered before" in race.describe()
     assert be.take_races() == []
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_numpy_write_into_an_upload_in_flight_is_found_by_its_bytes(be, waits):
+    # Engines fill pinned staging through its numpy view: no ATen operation shows the write.
+    staging, device = _staged(be)
+    inflight = InflightCopies()
+    with delayed_streams(CYCLES, inflight=inflight):
+        device[:8].copy_(staging[:8], non_blocking=True)
+        copied = be.Event()
+        copied.record()
+        if waits:
+            copied.synchronize()
+        staging.numpy()[3] = 2.0
+        device[8:16].copy_(staging[8:16], non_blocking=True)  # the next field's upload
+    be.synchronize()
+    races = inflight.take()
+    if waits:
+        assert races == [] and device[3].item() == 1.0
+        return
+    (race,) = races
+    assert race.later.op == "a numpy view or another path torch does not see"
+    assert "changed bytes were found at tests/fuzz/test_inflight_copies_cuda.py:" in (
+        race.later.line
+    )
+    assert race.byte_range == (0, 32)
+    assert device[3].item() == 2.0  # the late copy moved the host's next bytes
