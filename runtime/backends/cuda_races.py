@@ -109,9 +109,8 @@ class InflightCopies:
         copy = _Copy(bytes_, upload, done, side)
         if upload and bytes_.strided is None and bytes_.hi - bytes_.lo <= _MOST_WATCHED_BYTES:
             # Dense only: the bytes between a strided tensor's elements may be another's.
-            now = torch.empty(0, dtype=torch.uint8).set_(
-                storage, bytes_.lo, (bytes_.hi - bytes_.lo,)
-            )
+            nbytes = bytes_.hi - bytes_.lo
+            now = torch.empty(0, dtype=torch.uint8).set_(storage, bytes_.lo, (nbytes,), (1,))
             copy.watched = (now, now.clone())
         self._copies.append(copy)
 
