@@ -23,9 +23,10 @@ Who tells it: the cuda delays (strategies/stream_delays.py) while a stressed ste
 also hold the copies back, so that a copy is still in flight when the host's next access comes;
 across the two steps of a pipelined pair too, since the copies stay noted until they complete.
 Unseen: copies and host accesses outside such a scope, host reads that bypass torch's dispatcher
-(a numpy view, `tolist()`, ctypes), a bypassing write whose bytes were already there or that the
-host is not seen to follow with an operation or a copy before the copy lands, pageable host memory (a non-blocking copy there is
-synchronous for the host) and copies inside a CUDA graph capture (their timing is the replay's).
+(a numpy view, `tolist()`, ctypes), a bypassing write of the bytes already there or one the host
+does not follow with an operation or a copy before the copy lands, pageable host memory (a
+non-blocking copy there is synchronous for the host) and copies inside a CUDA graph capture
+(their timing is the replay's).
 No query is made while a capture is underway: asking whether an event has completed ends a
 capture begun in torch's global mode with an error.
 """
@@ -171,13 +172,17 @@ class InflightCopies:
                 continue
             copy.watched = None  # one report a copy; a change after it completed is no race
             if not copy.done.query():
+                changed = torch.nonzero(now != then).flatten()
+                item = copy.host.itemsize  # widened to whole elements, as the race names them
+                lo = copy.host.lo + int(changed[0]) // item * item
+                hi = copy.host.lo + (int(changed[-1]) // item + 1) * item
                 later = RaceSide(
                     "a numpy view or another path torch does not see",
                     "the host",
                     f"an unknown line (the changed bytes were found at {where})",
                     "write",
                 )
-                self._report(copy, copy.host, (copy.host.lo, copy.host.hi), later)
+                self._report(copy, copy.host, (lo, hi), later)  # the bytes that changed
 
     def _race(
         self, copy: _Copy, host: Footprint, shared: tuple[int, int], func: Any, write: bool
