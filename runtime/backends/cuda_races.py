@@ -108,12 +108,26 @@ class InflightCopies:
                     copy.watched = None
         side = RaceSide(op, stream, where, "read" if upload else "write")
         copy = _Copy(bytes_, upload, done, side)
-        if upload and bytes_.strided is None and bytes_.hi - bytes_.lo <= _MOST_WATCHED_BYTES:
-            # Dense only: the bytes between a strided tensor's elements may be another's.
+        if (
+            upload
+            and bytes_.strided is None  # the bytes between a strided one's elements: another's
+            and bytes_.hi - bytes_.lo <= _MOST_WATCHED_BYTES
+            and not self._landing_into(bytes_)
+        ):
             nbytes = bytes_.hi - bytes_.lo
             now = torch.empty(0, dtype=torch.uint8).set_(storage, bytes_.lo, (nbytes,), (1,))
             copy.watched = (now, now.clone())
         self._copies.append(copy)
+
+    def _landing_into(self, host: Footprint) -> bool:
+        """Whether a download noted before may still be landing in `host`'s bytes: queued on the
+        same stream it lands before an upload reads them, and the change is no host's write."""
+        return any(
+            not copy.upload
+            and footprint.overlap(copy.host, host) is not None
+            and not copy.done.query()
+            for copy in self._copies
+        )
 
     @property
     def pending(self) -> bool:

@@ -208,6 +208,18 @@ def test_a_download_landing_in_an_uploads_bytes_is_no_host_write():
     assert inflight.take() == []
 
 
+def test_an_upload_of_bytes_a_download_is_still_landing_in_is_not_watched():
+    # queued on one stream, the download lands first and the upload reads what it brought
+    inflight, host, completion = _noted(upload=False)
+    inflight.note(host[:4], True, _Completion(), "aten.copy_ (non-blocking)", "stream #3")
+    _numpy_write(host, 2, 5.0)  # as the download's landing would
+    assert inflight.take() == []
+    completion.done = True  # landed: an upload noted now is watched
+    inflight.note(host[:4], True, _Completion(), "aten.copy_ (non-blocking)", "stream #3")
+    _numpy_write(host, 2, 6.0)
+    assert len(inflight.take()) == 1
+
+
 def test_a_dispatched_write_is_one_race_not_two():
     inflight, host, _ = _noted(upload=True)
     inflight.host_operation(aten.fill_.Scalar, (host, 1.0), {})
