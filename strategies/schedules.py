@@ -241,8 +241,8 @@ def stresses(
 def without_idle_delay(stress: Stress) -> Stress:
     """`stress` without the delay's settings where it has no delay: `held_stream` and `late`
     change nothing then, and left in they make a no-op count as a stressed step in the schedule
-    and its replay snippet. Applied after the draw, so the examples and their shrinking are as
-    they were."""
+    and its replay snippet. Applied after the draw: a choice sequence draws the same steps as
+    before."""
     if stress.delay_cycles:
         return stress
     return dataclasses.replace(stress, held_stream=None, late="copies")
