@@ -148,8 +148,7 @@ class InflightCopies:
         touched = _host_touches(func, args, kwargs)
         if not touched or capturing():
             return
-        self._unseen_writes(footprint.format_line(footprint.source_line()))
-        self._copies = [copy for copy in self._copies if not copy.done.query()]
+        self._settle()
         for tensor, write in touched:
             located = footprint.of(tensor)
             if located is None:
@@ -167,17 +166,22 @@ class InflightCopies:
         if self._copies and not _capturing():
             # the last chance to see a write the step made after its last operation; and copies
             # seen done let go of the host bytes they watched
-            self._unseen_writes("the end of the step")
-            self._copies = [copy for copy in self._copies if not copy.done.query()]
+            self._settle("the end of the step")
         races, self._races = self._races, []
         self._reported.clear()
         return races
 
-    def _unseen_writes(self, where: str) -> None:
+    def _settle(self, where: str | None = None) -> None:
+        """`_unseen_writes`, then forget the copies seen to have completed."""
+        self._unseen_writes(where)
+        self._copies = [copy for copy in self._copies if not copy.done.query()]
+
+    def _unseen_writes(self, where: str | None = None) -> None:
         """A race for every watched upload whose host bytes changed while it is still in flight:
         the bytes are compared first and the event asked second, so a change seen before a copy
         that has still not completed was made before the copy read them. `where`: the line the
-        host reached when the change was found."""
+        host reached when the change was found (None: the program's line now, looked up only for
+        a race, since this runs before every host operation while a copy is noted)."""
         for copy in self._copies:
             if copy.watched is None:
                 continue
@@ -190,6 +194,8 @@ class InflightCopies:
                 item = copy.host.itemsize  # widened to whole elements, as the race names them
                 lo = copy.host.lo + int(changed[0]) // item * item
                 hi = copy.host.lo + (int(changed[-1]) // item + 1) * item
+                if where is None:
+                    where = footprint.format_line(footprint.source_line())
                 later = RaceSide(
                     "a numpy view or another path torch does not see",
                     "the host",
