@@ -43,13 +43,14 @@ fuzz: $(STAMP)
 	$(PY) -m pytest --graphmode-fuzz-only --graphmode-backend=auto --graphmode-profile=ci \
 		--pyargs pytest_graphmode._builtin.suite $(ARGS)
 
-# On a GPU the stream-delay and copies-in-flight tests whose outcome a delay decides need the GPU
-# alone (they skip under xdist): they run again afterwards in one process.
+# On a GPU the tests marked graphmode_gpu_alone (stream delays and copies in flight whose outcome
+# a delay decides, a runner that profiles the GPU's free memory) skip beside other workers: they
+# run again afterwards in one process, among the tests ARGS selects (`-n 0` and `-m` come after
+# ARGS so that they win; exit status 5 is pytest's "none selected").
 test: $(STAMP)
 	$(PY) -m pytest -n auto $(ARGS)
 	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
-		$(PY) -m pytest -p no:xdist tests/fuzz/test_stream_delays_cuda.py \
-			tests/fuzz/test_inflight_copies_cuda.py; fi
+		$(PY) -m pytest $(ARGS) -n 0 -m graphmode_gpu_alone || [ $$? -eq 5 ]; fi
 
 # mypy cannot follow the editable install's import hook, and runtime/, strategies/ and planner/ are
 # installed as pytest_graphmode.runtime, .strategies and .planner: without the package laid out as

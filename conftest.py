@@ -13,6 +13,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from tests.xdist import other_workers
+
 _COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 
 settings.register_profile("default", max_examples=25, **_COMMON)
@@ -25,6 +27,17 @@ settings.load_profile(
 # One intra-op thread per test process: the suite runs one process per core (pytest-xdist), and
 # small tensor kernels slow down by orders of magnitude when threads oversubscribe the cores.
 torch.set_num_threads(1)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip a test marked `graphmode_gpu_alone` beside other pytest workers: they share its GPU.
+    `make test` runs the marked tests again in one process after the parallel run."""
+    others = other_workers()
+    if others and item.get_closest_marker("graphmode_gpu_alone"):
+        pytest.skip(
+            f"needs the GPU to itself, which the other {others} pytest workers share: "
+            "run it without xdist (-p no:xdist), as `make test` does after its parallel run"
+        )
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,6 @@ import torch
 
 from pytest_graphmode.runtime import backends
 from pytest_graphmode.runtime.backends import Backend
-from tests.xdist import other_workers
 
 
 @pytest.fixture
@@ -28,11 +27,7 @@ def be(any_be: Backend) -> Backend:
     """The cuda backend, for a test whose outcome a delay decides. The delays count the SM's
     clock, which runs on while the GPU serves another process's context: on a GPU shared by
     twelve pytest workers (the H100, 2026-12-07) a delay of 25 ms ran out before the work it held
-    back was due and four of these races came out the other way."""
-    others = other_workers()
-    if others:
-        pytest.skip(
-            f"the delays time the race on a GPU this process has alone; the other {others} "
-            "pytest workers share it: run this test file without xdist (-p no:xdist)"
-        )
+    back was due and four of these races came out the other way. A test that uses it carries the
+    mark `graphmode_gpu_alone`, which skips it beside other workers and has `make test` run it
+    alone (`test_gpu_alone.py` checks the mark on the CPU too)."""
     return any_be

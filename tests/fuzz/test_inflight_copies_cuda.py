@@ -46,6 +46,7 @@ def _upload_then(be: Backend, write: bool) -> list[backends.Race]:
     return inflight.take()
 
 
+@pytest.mark.graphmode_gpu_alone
 def test_a_host_write_of_the_same_values_into_an_upload_in_flight_is_a_race(be):
     (race,) = _upload_then(be, write=False)
     assert race.earlier.access == "read" and race.later.access == "write"
@@ -58,10 +59,12 @@ def test_a_host_write_of_the_same_values_into_an_upload_in_flight_is_a_race(be):
     assert race.byte_range == (0, WORDS * 4)
 
 
+@pytest.mark.graphmode_gpu_alone
 def test_a_host_write_after_waiting_for_the_uploads_event_is_no_race(be):
     assert _upload_then(be, write=True) == []
 
 
+@pytest.mark.graphmode_gpu_alone
 def test_a_host_write_to_bytes_the_upload_does_not_read_is_no_race(be):
     staging, device = _staged(be)
     inflight = InflightCopies()
@@ -74,6 +77,7 @@ def test_a_host_write_to_bytes_the_upload_does_not_read_is_no_race(be):
     assert inflight.take() == []
 
 
+@pytest.mark.graphmode_gpu_alone
 def test_a_write_into_the_next_steps_buffer_in_a_later_scope_races_the_upload_still_in_flight(be):
     staging, device = _staged(be)
     inflight = InflightCopies()
@@ -86,6 +90,7 @@ def test_a_write_into_the_next_steps_buffer_in_a_later_scope_races_the_upload_st
     assert race.byte_range == (12, 20)
 
 
+@pytest.mark.graphmode_gpu_alone
 def test_a_host_read_of_a_download_in_flight_is_a_race_and_after_its_stream_is_none(be):
     staging, device = _staged(be)
     device.fill_(1.0)  # the download brings what the host buffer holds already
@@ -102,6 +107,7 @@ def test_a_host_read_of_a_download_in_flight_is_a_race_and_after_its_stream_is_n
     assert race.byte_range == (0, 4)
 
 
+@pytest.mark.graphmode_gpu_alone
 def test_an_upload_queued_behind_late_computation_is_in_flight_too(be):
     staging, device = _staged(be)
     inflight = InflightCopies()
@@ -113,6 +119,7 @@ def test_an_upload_queued_behind_late_computation_is_in_flight_too(be):
     assert race.earlier.op == "aten.copy_ (non-blocking, host to device)"
 
 
+@pytest.mark.graphmode_gpu_alone
 def test_pageable_host_memory_is_not_noted(be):
     pageable = torch.ones(WORDS)
     device = torch.zeros(WORDS, device=be.device)
@@ -125,6 +132,7 @@ def test_pageable_host_memory_is_not_noted(be):
     assert inflight.take() == []
 
 
+@pytest.mark.graphmode_gpu_alone
 def test_the_backend_hands_over_what_a_stressed_steps_delays_found(be):
     from pytest_graphmode.strategies.plans import Stress
     from pytest_graphmode.strategies.stressors import delayed_step
@@ -140,6 +148,7 @@ def test_the_backend_hands_over_what_a_stressed_steps_delays_found(be):
     assert be.take_races() == []
 
 
+@pytest.mark.graphmode_gpu_alone
 @pytest.mark.parametrize("waits", [False, True])
 def test_a_numpy_write_into_an_upload_in_flight_is_found_by_its_bytes(be, waits):
     # Engines fill pinned staging through its numpy view: no ATen operation shows the write.

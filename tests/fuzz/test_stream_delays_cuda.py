@@ -38,6 +38,7 @@ def _staged(be, value):
     return staging, device
 
 
+@pytest.mark.graphmode_gpu_alone
 def test_a_staging_buffer_rewritten_before_its_upload_on_a_copy_stream_ran_is_read_late(be):
     copy_stream = be.Stream()
     staging, device = _staged(be, 1.0)
@@ -49,6 +50,7 @@ def test_a_staging_buffer_rewritten_before_its_upload_on_a_copy_stream_ran_is_re
     assert device.unique().tolist() == [2.0]
 
 
+@pytest.mark.graphmode_gpu_alone
 def test_a_staging_buffer_rewritten_after_waiting_for_the_copy_event_stays_correct(be):
     copy_stream = be.Stream()
     staging, device = _staged(be, 1.0)
@@ -64,6 +66,7 @@ def test_a_staging_buffer_rewritten_after_waiting_for_the_copy_event_stays_corre
     assert doubled.unique().tolist() == [2.0]
 
 
+@pytest.mark.graphmode_gpu_alone
 def test_a_replay_not_waiting_for_the_copy_stream_reads_the_old_contents(be):
     copy_stream = be.Stream()
     staging, device = _staged(be, 5.0)
@@ -76,6 +79,7 @@ def test_a_replay_not_waiting_for_the_copy_stream_reads_the_old_contents(be):
     assert device.unique().tolist() == [5.0]
 
 
+@pytest.mark.graphmode_gpu_alone
 def test_a_download_read_on_the_host_before_waiting_is_stale(be):
     source = torch.full((WORDS,), 3.0, device=be.device)
     host = be.empty_pinned(WORDS)
@@ -88,6 +92,7 @@ def test_a_download_read_on_the_host_before_waiting_is_stale(be):
     assert host.unique().tolist() == [3.0]
 
 
+@pytest.mark.graphmode_gpu_alone
 def test_an_event_recorded_on_an_idle_side_stream_completes_late(be):
     side = be.Stream()
     with delayed_streams(CYCLES):
@@ -207,6 +212,7 @@ def _doubling_graph(be):
     return graph, static, out
 
 
+@pytest.mark.graphmode_gpu_alone
 @pytest.mark.parametrize("work", ["replay", "eager"])
 @pytest.mark.parametrize("waits", [False, True], ids=["the-bug", "waiting"])
 def test_an_upload_not_waiting_for_the_work_before_it_overwrites_that_works_inputs(be, work, waits):
@@ -227,6 +233,7 @@ def test_an_upload_not_waiting_for_the_work_before_it_overwrites_that_works_inpu
     assert out.unique().tolist() == ([0.0] if waits else [6.0])
 
 
+@pytest.mark.graphmode_gpu_alone
 @pytest.mark.parametrize("joined", [False, True], ids=["the-bug", "joined"])
 def test_a_side_stream_read_not_joined_before_an_in_place_write_sees_the_write(be, joined):
     # Without a sleep on the side stream both become ready when the fork's event record, delayed
@@ -250,6 +257,7 @@ def test_the_sleep_clock_is_timed_at_a_plausible_rate(any_be):
     assert 1e8 < sleep_cycles_per_second(torch.cuda.current_device()) < 1e10
 
 
+@pytest.mark.graphmode_gpu_alone
 @pytest.mark.parametrize("hold", [True, False], ids=["held", "not held"])
 def test_a_hold_keeps_an_upload_queued_while_the_host_works_past_the_delay(be, hold):
     """The host works 5 ms after the upload (an eager forward's launches) before it rewrites the
@@ -274,6 +282,7 @@ def test_a_hold_keeps_an_upload_queued_while_the_host_works_past_the_delay(be, h
     assert device.unique().tolist() == ([2.0] if hold else [1.0])
 
 
+@pytest.mark.graphmode_gpu_alone
 @pytest.mark.parametrize("held_stream", [1, 2], ids=["output stream", "copy stream"])
 def test_a_download_read_after_waiting_for_another_stream_is_stale_only_when_its_stream_is_held(
     be, held_stream

@@ -5,6 +5,7 @@ leading examples or, for a bug none of them is built for, the examples `LATER` a
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -15,7 +16,6 @@ from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.isolation import run_isolated
 from pytest_graphmode.fuzz.ranks import run_rank_campaign
 from tests.runners.caught import assert_caught, failure_of
-from tests.xdist import other_workers
 
 # runner -> the check that catches its bug on sim
 CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
@@ -519,6 +519,15 @@ LEADING = len(campaign_module._LEADING)  # the campaign's fixed leading examples
 NEEDS_THE_GPU_ALONE = {"memory_profiled_capture"}
 
 
+def _on_a_gpu(runners: Iterable[str]) -> list[object]:
+    """`runners` sorted, those that need the GPU to itself marked so (`make test` runs them alone)."""
+    alone = pytest.mark.graphmode_gpu_alone
+    return [
+        pytest.param(runner, marks=alone if runner in NEEDS_THE_GPU_ALONE else ())
+        for runner in sorted(runners)
+    ]
+
+
 def _factory(runner: str, name: str) -> TargetFactory:
     module = importlib.import_module(f"tests.runners.from_docs.{runner}")
     return getattr(module, name)  # type: ignore[no-any-return]
@@ -549,14 +558,14 @@ def test_the_bug_is_caught_on_sim_within_the_leading_examples_or_its_budget(runn
 
 
 @pytest.mark.graphmode_cuda
-@pytest.mark.parametrize("runner", sorted(ON_CUDA))
+@pytest.mark.parametrize("runner", _on_a_gpu(ON_CUDA))
 def test_the_correct_runner_passes_the_harness_on_a_gpu(runner: str) -> None:
     _need_a_gpu(runner)
     _passes(runner, "cuda")
 
 
 @pytest.mark.graphmode_cuda
-@pytest.mark.parametrize("runner", sorted(set(ON_CUDA) - NOT_SHOWN_ON_CUDA))
+@pytest.mark.parametrize("runner", _on_a_gpu(set(ON_CUDA) - NOT_SHOWN_ON_CUDA))
 def test_the_bug_is_caught_on_a_gpu_within_the_leading_examples_or_its_budget(runner: str) -> None:
     _need_a_gpu(runner)
     factory = _factory(runner, "make_buggy_target")
@@ -576,12 +585,6 @@ def test_the_bug_is_caught_on_a_gpu_within_the_leading_examples_or_its_budget(ru
 def _need_a_gpu(runner: str) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    others = other_workers()
-    if runner in NEEDS_THE_GPU_ALONE and others:
-        pytest.skip(
-            f"{runner} profiles the GPU's free memory, which the other {others} pytest "
-            "workers move: run it without xdist (-p no:xdist)"
-        )
 
 
 @pytest.mark.parametrize("runner", sorted(RANK_RUNNERS))
