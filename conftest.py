@@ -13,8 +13,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from tests.xdist import other_workers
-
 _COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 
 settings.register_profile("default", max_examples=25, **_COMMON)
@@ -32,7 +30,8 @@ torch.set_num_threads(1)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Skip a test marked `graphmode_gpu_alone` beside other pytest workers: they share its GPU.
     `make test` runs the marked tests again in one process after the parallel run."""
-    others = other_workers()
+    # pytest-xdist tells each worker how many there are (unset without xdist)
+    others = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) - 1
     if others and item.get_closest_marker("graphmode_gpu_alone"):
         pytest.skip(
             f"needs the GPU to itself, which the other {others} pytest workers share: "
