@@ -51,6 +51,10 @@ the runner enters inside the scope see the operations before it, as usual. `torc
 and `torch.cuda.StreamContext.__enter__` are replaced on their classes for the scope and the exact
 attributes they had are put back on exit, also when the step raises; since they are class
 attributes, other threads recording events or entering streams during the scope are delayed too.
+The mode is per thread: a runner's own thread, started while the cuda backend is active, hands
+its operations to the scope underway through a mode of its own (runtime/backends/cuda_threads.py),
+so its copies are delayed and noted too; while such a thread is alive, the scope judges one
+operation at a time.
 Not covered: `torch.Event` / `torch.Stream` (the device-generic classes, recorded in C++ without a
 Python hook), device-to-device copies, kernels on a side stream made current by
 `torch.cuda.set_stream` alone, or launched there without the dispatcher (a Triton or C++ extension
@@ -101,7 +105,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pytest_graphmode.runtime.backends import footprint
+from pytest_graphmode.runtime.backends import cuda_threads, footprint
 from pytest_graphmode.runtime.backends.cuda_races import InflightCopies
 
 # The delays' own frames issue the copies they note: the program's line is the caller's.
@@ -357,6 +361,19 @@ class _AsyncCopies(TorchDispatchMode):
         self.landing = landing
         self.inflight = inflight
 
+    def __enter__(self) -> _AsyncCopies:
+        super().__enter__()
+        # The runner's own threads hand their operations to this scope too (cuda_threads.py).
+        self._followed = cuda_threads.scope_entered(self)
+        self._followed.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._followed.__exit__(None, None, None)
+        finally:
+            super().__exit__(*exc)
+
     def __torch_dispatch__(
         self,
         func: Any,
@@ -364,9 +381,10 @@ class _AsyncCopies(TorchDispatchMode):
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        if "torch._dynamo" in sys.modules:
-            return _run_unseen_by_compiler(self, func, args, kwargs or {})
-        return self.run(func, args, kwargs or {})
+        with cuda_threads.judged_one_at_a_time():
+            if "torch._dynamo" in sys.modules:
+                return _run_unseen_by_compiler(self, func, args, kwargs or {})
+            return self.run(func, args, kwargs or {})
 
     def run(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         sleeps = self.sleeps

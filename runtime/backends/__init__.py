@@ -9,7 +9,8 @@ present. The surface (names and semantics as in torch.cuda): `Graph`, `graph(g, 
 accesses to pinned memory whose copy the harness's delays saw still in flight),
 and `active()` / `activate()` / `deactivate()` / `is_active`: a backend changes nothing in the process
 until activated (on sim: torch is routed through its dispatch mode while any activation is open, and
-restored exactly when the last ends; no-ops on cuda). Targets and the harness activate it themselves.
+restored exactly when the last ends; on cuda only threads started meanwhile are followed by the
+harness's delays, cuda_threads.py). Targets and the harness activate it themselves.
 `target_scope(name)` is what the harness makes targets in: on sim it adds the drop-in, which makes
 plain `torch.cuda` resolve to the sim (docs/backends.md, "Drop-in").
 `Backend` is that surface as a typed protocol: annotate a runner's backend with it.

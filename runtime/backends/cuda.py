@@ -4,7 +4,8 @@ It adds error translation: a CUDA error raised because a stream was capturing be
 `CaptureError`, and the failed capture is cleaned up so the process can keep capturing. And it
 keeps `inflight_copies` (cuda_races.py), which the harness's delays tell of the non-blocking copies
 and host operations of a stressed step: `take_races()` hands over the host accesses it found to
-pinned memory whose copy was still in flight.
+pinned memory whose copy was still in flight. While it is active, the threads a runner starts are
+followed, so that the delays see their copies too (cuda_threads.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pytest_graphmode.runtime.backends import cuda_threads
 from pytest_graphmode.runtime.backends.cuda_races import InflightCopies
 from pytest_graphmode.runtime.backends.errors import (
     CaptureError,
@@ -46,18 +48,26 @@ class CudaBackend:
         self.mem_get_info = torch.cuda.mem_get_info
         self.inflight_copies = InflightCopies()
 
-    # Nothing of torch is patched on a GPU: activation only exists to be symmetrical with sim.
+    # Nothing of torch is patched on a GPU, and the backend works whether activated or not:
+    # activation only has the threads started meanwhile followed by the harness's delays.
     is_active = True
 
     def activate(self) -> None:
-        """No-op: the cuda backend changes nothing process-wide."""
+        """Until the matching `deactivate()`, threads started are followed: the harness's delays
+        see their operations too (cuda_threads.py). Calls nest."""
+        cuda_threads.activate()
 
     def deactivate(self) -> None:
-        """No-op: the cuda backend changes nothing process-wide."""
+        """End an `activate()`."""
+        cuda_threads.deactivate()
 
     @contextmanager
     def active(self) -> Iterator[CudaBackend]:
-        yield self
+        self.activate()
+        try:
+            yield self
+        finally:
+            self.deactivate()
 
     def set_scheduler_seed(self, seed: int) -> None:
         """Stream order on a GPU is the hardware's: nothing to seed (sim-only knob)."""

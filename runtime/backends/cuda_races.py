@@ -22,7 +22,8 @@ seen only once the copy is done may have come after it, and is no race.
 Who tells it: the cuda delays (strategies/stream_delays.py) while a stressed step runs, which
 also hold the copies back, so that a copy is still in flight when the host's next access comes;
 across the two steps of a pipelined pair too, since the copies stay noted until they complete.
-Unseen: copies and host accesses outside such a scope, host reads that bypass torch's dispatcher
+A runner's own threads are told of too, where the cuda backend was active when they started
+(cuda_threads.py). Unseen: copies and host accesses outside such a scope, host reads that bypass torch's dispatcher
 (a numpy view, `tolist()`, ctypes), a bypassing write of the bytes already there or one the host
 does not follow with an operation or a copy before the copy lands, pageable host memory (a
 non-blocking copy there is synchronous for the host) and copies inside a CUDA graph capture

@@ -127,7 +127,8 @@ class Backend(Protocol):
     def take_races(self) -> list[Race] | None: ...
 
     # A backend changes nothing process-wide until activated (sim: torch is routed through it while
-    # any activation is open); activations nest. No-ops on cuda.
+    # any activation is open; cuda: threads started meanwhile are followed by the harness's
+    # delays, nothing of torch changes); activations nest.
     @property
     def is_active(self) -> bool: ...
 

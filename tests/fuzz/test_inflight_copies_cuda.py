@@ -7,6 +7,8 @@ change: no value shows it, only that the copy had not run when the host touched 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -174,3 +176,39 @@ def test_a_numpy_write_into_an_upload_in_flight_is_found_by_its_bytes(be, waits)
     )
     assert race.byte_range == (12, 16)  # the bytes that changed
     assert device[3].item() == 2.0  # the late copy moved the host's next bytes
+
+
+@pytest.mark.graphmode_gpu_alone
+@pytest.mark.parametrize("waits", [False, True])
+def test_an_upload_a_runners_thread_queues_is_delayed_and_noted(be, waits):
+    # An overlap scheduler's worker: started while the backend is active, as a campaign's twins
+    # are, before the step; the step's scope sees what the worker queues (cuda_threads.py).
+    staging, device = _staged(be)
+    inflight = InflightCopies()
+    work, queued = threading.Event(), threading.Event()
+
+    def upload() -> None:
+        work.wait(5)
+        device.copy_(staging, non_blocking=True)
+        copied = be.Event()
+        copied.record()
+        if waits:
+            copied.synchronize()
+        queued.set()
+
+    with be.active():
+        worker = threading.Thread(target=upload)
+        worker.start()
+    with delayed_streams(CYCLES, inflight=inflight):
+        work.set()
+        assert queued.wait(5)
+        staging.fill_(1.0)  # the values the copy holds already
+    worker.join()
+    be.synchronize()
+    races = inflight.take()
+    if waits:
+        assert races == []
+        return
+    (race,) = races
+    assert race.earlier.op == "aten.copy_ (non-blocking, host to device)"
+    assert race.later.access == "write" and race.later.stream == "the host"
