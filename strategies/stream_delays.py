@@ -106,7 +106,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pytest_graphmode.runtime.backends import cuda_threads, footprint
-from pytest_graphmode.runtime.backends.cuda_races import InflightCopies
+from pytest_graphmode.runtime.backends.cuda_races import InflightCopies, stream_name
 
 # The delays' own frames issue the copies they note: the program's line is the caller's.
 footprint.hide_file(__file__)
@@ -117,18 +117,26 @@ def async_copy_device(
 ) -> torch.device | None:
     """The cuda device whose current stream runs `func(*args, **kwargs)`, when that is a
     non-blocking copy between host memory and a cuda device; None for anything else."""
+    return _copy_device(func, args, kwargs, non_blocking=True)
+
+
+def _copy_device(
+    func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], non_blocking: bool
+) -> torch.device | None:
+    """The cuda device whose current stream runs `func(*args, **kwargs)`, when that is a copy
+    between host memory and a cuda device, non-blocking or not as asked; None otherwise."""
     if func is torch.ops.aten.copy_.default:
         destination, source = args[0], args[1]
-        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        asked = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
         ends = (destination.device, source.device)
     elif func is torch.ops.aten._to_copy.default:
         source = args[0]
-        non_blocking = kwargs.get("non_blocking", False)
+        asked = kwargs.get("non_blocking", False)
         target = kwargs.get("device")
         ends = (source.device, source.device if target is None else torch.device(target))
     else:
         return None
-    return crossing_device(*ends) if non_blocking else None
+    return crossing_device(*ends) if bool(asked) == non_blocking else None
 
 
 def crossing_device(one: torch.device, other: torch.device) -> torch.device | None:
@@ -394,7 +402,7 @@ class _AsyncCopies(TorchDispatchMode):
         inflight = self.inflight
         if device is None:
             if inflight is not None and inflight.pending:
-                inflight.host_operation(func, args, kwargs, lambda: self.captures.underway(None))
+                self._judge_host_access(inflight, func, args, kwargs)
             return func(*args, **kwargs)
         stream = _current_stream(device)
         if sleeps is not None:
@@ -407,6 +415,23 @@ class _AsyncCopies(TorchDispatchMode):
                 host, upload = _host_end(func, args, result)
                 inflight.queued(host, stream, upload, str(func.overloadpacket))
         return result
+
+    def _judge_host_access(
+        self, inflight: InflightCopies, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> None:
+        """Tell `inflight` of `func`, about to run: a host operation, or a blocking copy between
+        host and device, which touches its host end as the host does, in its stream's order."""
+        device = _copy_device(func, args, kwargs, non_blocking=False)
+        if device is None:
+            inflight.host_operation(func, args, kwargs, lambda: self.captures.underway(None))
+            return
+        stream = _current_stream(device)
+        if self.captures.underway(stream):
+            return
+        if func is torch.ops.aten._to_copy.default and args[0].device.type != "cpu":
+            return  # a download into a tensor it makes: no bytes anything else holds
+        host, upload = _host_end(func, args, None)
+        inflight.blocking_copy(host, upload, str(func.overloadpacket), stream_name(stream))
 
 
 def _host_end(func: Any, args: Sequence[Any], result: Any) -> tuple[torch.Tensor, bool]:

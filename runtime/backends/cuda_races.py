@@ -11,6 +11,8 @@ told of (`host_operation`, an operation whose tensors are all in host memory, wh
 at once) that writes the host bytes of an upload, or reads or writes those of a download, while
 that event has not completed is a race. The copy reads or writes those bytes after the host did,
 so the host needed a wait for the copy (its event, its stream, the device) before touching them.
+A blocking copy between pinned host memory and the device (`blocking_copy`) touches its host end
+as the host does, but in its stream's order: it races a noted copy on another stream only.
 
 A host write that torch's dispatcher does not show (through a numpy view of the pinned buffer,
 as engines fill their staging) is found by its bytes instead: an upload's host bytes are copied
@@ -91,7 +93,9 @@ class InflightCopies:
         # The class's own record: the delays replace `torch.cuda.Event.record` with one that
         # sleeps first, and this event must mark the copy, not a sleep after it.
         torch._C._CudaEventBase.record(done, stream)
-        self.note(host, upload, done, f"{op} (non-blocking, {_direction(upload)})", _named(stream))
+        self.note(
+            host, upload, done, f"{op} (non-blocking, {_direction(upload)})", stream_name(stream)
+        )
 
     def note(self, host: torch.Tensor, upload: bool, done: Any, op: str, stream: str) -> None:
         """What `queued` notes of a copy, given what tells when it is done (anything whose
@@ -160,6 +164,34 @@ class InflightCopies:
                 shared = footprint.overlap(copy.host, located[1])
                 if shared is not None:
                     self._race(copy, located[1], shared, func, write)
+
+    def blocking_copy(self, host: torch.Tensor, upload: bool, op: str, stream: str) -> None:
+        """A blocking copy between `host` and a cuda device is about to run on `stream` (named as
+        `stream_name` names it): the host
+        waits for it, so it reads (`upload`) or writes `host`'s bytes as a host operation would,
+        but after the work queued before it on `stream`. A race with every noted copy on another
+        stream still in flight whose host bytes it writes, or, for a download, reads. The caller
+        has made sure no capture is underway."""
+        located = footprint.of(host)
+        if located is None:
+            return
+        self._settle()
+        write, bytes_ = not upload, located[1]
+        for copy in self._copies:
+            shared = footprint.overlap(copy.host, bytes_)
+            if shared is None or (copy.upload and not write):
+                continue
+            if write:
+                copy.watched = None  # a change the copy's landing makes, or this race: not unseen
+            if copy.side.stream != stream:  # on the same stream the copy comes first
+                where = footprint.format_line(footprint.source_line())
+                later = RaceSide(
+                    f"{op} (blocking, {_direction(upload)}, on {stream})",
+                    "the host",
+                    where,
+                    "write" if write else "read",
+                )
+                self._report(copy, bytes_, shared, later)
 
     def take(self) -> list[Race]:
         """The races found since the last call, first found first; forgets them, so the same race
@@ -265,7 +297,8 @@ def _direction(upload: bool) -> str:
     return "host to device" if upload else "device to host"
 
 
-def _named(stream: Any) -> str:
+def stream_name(stream: Any) -> str:
+    """How a race names a cuda stream."""
     if stream == torch.cuda.default_stream(stream.device):
         return "the default stream"
     return f"stream #{stream.stream_id}"

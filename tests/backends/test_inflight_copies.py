@@ -226,3 +226,39 @@ def test_a_dispatched_write_is_one_race_not_two():
     host.fill_(1.0)  # what the operation then does to the bytes
     (race,) = inflight.take()
     assert race.later.op == "aten.fill_"
+
+
+def test_a_blocking_download_into_an_uploads_bytes_on_another_stream_is_a_race_named_as_such():
+    inflight, host, _ = _noted(upload=True)  # host[:4], stream #3
+    inflight.blocking_copy(host[2:6], False, "aten.copy_", "stream #5")
+    _numpy_write(host, 2, 5.0)  # what the download then does to the bytes
+    (race,) = inflight.take()  # the change is this race's, not a write unseen
+    assert race.later.op == "aten.copy_ (blocking, device to host, on stream #5)"
+    assert (race.later.stream, race.later.access) == ("the host", "write")
+    assert race.later.line.startswith("tests/backends/test_inflight_copies.py:")
+    assert race.byte_range == (8, 16)
+
+
+def test_a_blocking_copy_on_the_copys_own_stream_comes_after_it_and_races_nothing():
+    inflight, host, _ = _noted(upload=True)  # stream #3
+    inflight.blocking_copy(host[:4], False, "aten.copy_", "stream #3")
+    _numpy_write(host, 1, 5.0)  # the download, landed after the upload read the bytes
+    assert inflight.take() == []
+
+
+def test_a_blocking_upload_races_a_download_in_flight_into_its_bytes_not_an_upload():
+    inflight, host, _ = _noted(upload=False)  # a download into host[:4], stream #3
+    inflight.blocking_copy(host[1:2], True, "aten.copy_", "the default stream")
+    (race,) = inflight.take()
+    assert (race.earlier.access, race.later.access) == ("write", "read")
+    assert race.later.op == "aten.copy_ (blocking, host to device, on the default stream)"
+    inflight, host, _ = _noted(upload=True)  # both read the bytes
+    inflight.blocking_copy(host[1:2], True, "aten.copy_", "the default stream")
+    assert inflight.take() == []
+
+
+def test_a_blocking_copy_after_the_copy_completed_races_nothing():
+    inflight, host, completion = _noted(upload=True)
+    completion.done = True
+    inflight.blocking_copy(host, False, "aten.copy_", "stream #5")
+    assert inflight.take() == []

@@ -212,3 +212,25 @@ def test_an_upload_a_runners_thread_queues_is_delayed_and_noted(be, waits):
     (race,) = races
     assert race.earlier.op == "aten.copy_ (non-blocking, host to device)"
     assert race.later.access == "write" and race.later.stream == "the host"
+
+
+@pytest.mark.graphmode_gpu_alone
+@pytest.mark.parametrize("stream", ["another stream", "the upload's stream"])
+def test_a_blocking_download_into_an_upload_in_flight_races_it_from_another_stream(be, stream):
+    staging, device = _staged(be)
+    copy_stream = be.Stream()
+    inflight = InflightCopies()
+    with delayed_streams(CYCLES, inflight=inflight):
+        with be.stream(copy_stream):
+            device.copy_(staging, non_blocking=True)
+        results = torch.ones(4, device=be.device)
+        with be.stream(copy_stream if stream == "the upload's stream" else be.current_stream()):
+            staging[:4].copy_(results)  # blocking: the host waits for this stream alone
+    be.synchronize()
+    races = inflight.take()
+    if stream == "the upload's stream":
+        assert races == []  # after the upload in its stream's order
+        return
+    (race,) = races
+    assert race.later.op.startswith("aten.copy_ (blocking, device to host, on ")
+    assert race.byte_range == (0, 16)
