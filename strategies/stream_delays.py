@@ -103,10 +103,10 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from pytest_graphmode.runtime.backends import cuda_threads, footprint
 from pytest_graphmode.runtime.backends.cuda_races import InflightCopies, stream_name
+from pytest_graphmode.runtime.backends.cuda_threads import GuardedOnceCompiling
 
 # The delays' own frames issue the copies they note: the program's line is the caller's.
 footprint.hide_file(__file__)
@@ -335,22 +335,7 @@ def sleep_cycles_per_second(device: int) -> float:
         return cycles / (start.elapsed_time(end) / 1e3)
 
 
-class _AsyncCopies(TorchDispatchMode):
-    # torch keeps torch.compile out of a mode's frames by wrapping `__torch_dispatch__` in a guard
-    # whose first call imports its whole compiler stack (about a second, and some 300,000 objects
-    # that every later full collection walks). Nothing can be compiling while that stack is not
-    # imported, so the guard is needed only once it is: `__torch_dispatch__` checks, per call.
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-    # While Dynamo traces, a mode it does not ignore is traced into, and the guard above is a
-    # graph break there: a runner's `torch.compile(fullgraph=True)` would fail under the delays.
-    # Ignored, the mode is off while compiling and on again while the compiled code runs.
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
+class _AsyncCopies(GuardedOnceCompiling):
     def __init__(
         self,
         captures: _Captures,

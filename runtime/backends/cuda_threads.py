@@ -139,19 +139,28 @@ def _follow_new_threads() -> Callable[[], None]:
     return restore
 
 
-class _FollowerMode(TorchDispatchMode):
-    """A followed thread's mode: each operation to the scope underway, else as it is."""
+class GuardedOnceCompiling(TorchDispatchMode):
+    """A dispatch mode that leaves torch's compile guard to its `__torch_dispatch__`, which is to
+    apply it only once the compiler stack is imported, and that Dynamo does not trace into."""
 
-    # As the delays' own mode (stream_delays.py): torch's compile guard around
-    # `__torch_dispatch__` is applied only once the compiler stack is imported, and Dynamo,
-    # tracing a runner's compiled function in this thread, does not trace into the mode.
+    # torch keeps torch.compile out of a mode's frames by wrapping `__torch_dispatch__` in a guard
+    # whose first call imports its whole compiler stack (about a second, and some 300,000 objects
+    # that every later full collection walks). Nothing can be compiling while that stack is not
+    # imported, so the guard is needed only once it is: `__torch_dispatch__` checks, per call.
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False
 
+    # While Dynamo traces, a mode it does not ignore is traced into, and the guard above is a
+    # graph break there: a runner's `torch.compile(fullgraph=True)` would fail under the mode.
+    # Ignored, the mode is off while compiling and on again while the compiled code runs.
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
+
+
+class _FollowerMode(GuardedOnceCompiling):
+    """A followed thread's mode: each operation to the scope underway, else as it is."""
 
     def __torch_dispatch__(
         self,
