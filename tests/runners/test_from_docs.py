@@ -67,6 +67,8 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     "max_seq_len_read_racing": "no_stream_races",  # seq_lens read back before their upload
     # a forward thread's stream never waits for the scheduling stream's uploads
     "forward_thread_skips_upload_wait": "no_stream_races",
+    # pinned staging refilled while the forward thread's upload of the last step may be queued
+    "forward_thread_staging_refilled": "no_stream_races",
     # fresh upload tensors of a copy stream freed without record_stream (steps in inference mode)
     "upload_freed_without_record_stream": "no_stream_races",
     # a micro-batch's replay overwrites the outputs the previous one's download still reads
