@@ -76,7 +76,9 @@ class CudaBackend:
         """The host accesses to pinned memory whose non-blocking copy was still in flight, found
         since the last call (cuda_races.py; only where the harness's delays told of them). A GPU
         has no checker of every access as sim has."""
-        return self.inflight_copies.take()
+        # a followed thread may still be judging an operation it began inside the step's scope
+        with cuda_threads.judged_one_at_a_time():
+            return self.inflight_copies.take()
 
     def empty_pinned(
         self, size: int | tuple[int, ...], dtype: torch.dtype = torch.float32
