@@ -29,7 +29,8 @@ Nothing is delayed while a CUDA graph capture is underway: a sleep issued on a c
 would be recorded into the graph and replayed on every later replay, long after the stressed step,
 and asking whether an event has completed or waiting for a stream, even one that is not capturing,
 ends a capture begun in torch's default (global) mode with an error. Captured copies and records
-are left as they are (their timing is the replay's). A capture is underway from a
+are left as they are (their timing is the replay's; a replay under the delays notes the copies of
+pinned memory its graph captured as in flight: runtime/backends/cuda_captures.py). A capture is underway from a
 `torch.cuda.CUDAGraph.capture_begin` of the scope to its `capture_end` (what `torch.cuda.graph`
 calls), or while the stream an operation is queued on is capturing; a capture begun on another
 thread or by C++ code, on a stream the scope does not queue on, is not seen.
@@ -96,7 +97,6 @@ late it always does; so neither shows it. Correct code is unaffected: the host o
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -104,9 +104,9 @@ from typing import Any
 
 import torch
 
-from pytest_graphmode.runtime.backends import cuda_threads, footprint
+from pytest_graphmode.runtime.backends import cuda_captures, cuda_threads, footprint
 from pytest_graphmode.runtime.backends.cuda_races import InflightCopies, stream_name
-from pytest_graphmode.runtime.backends.cuda_threads import GuardedOnceCompiling
+from pytest_graphmode.runtime.backends.guarded_mode import GuardedOnceCompiling
 
 # The delays' own frames issue the copies they note: the program's line is the caller's.
 footprint.hide_file(__file__)
@@ -183,6 +183,7 @@ def delayed_streams(
         _counting_captures(sleeps.captures),
         _delayed_event_records(sleeps),
         _noting_entered_streams(sleeps),
+        _noting_replayed_copies(sleeps.captures, inflight),
         _AsyncCopies(sleeps.captures, sleeps, inflight=inflight),
     ):
         yield
@@ -219,6 +220,7 @@ def delayed_compute(
     with (
         _counting_captures(sleeps.captures),
         _sleeping_before(torch.cuda.CUDAGraph, "replay", sleeps, lambda graph: None),
+        _noting_replayed_copies(sleeps.captures, inflight),
         _AsyncCopies(sleeps.captures, inflight=inflight) if inflight is not None else nullcontext(),
     ):
         yield
@@ -367,17 +369,11 @@ class _AsyncCopies(GuardedOnceCompiling):
         finally:
             super().__exit__(*exc)
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
+    def dispatch(
+        self, func: Any, types: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> Any:
         with cuda_threads.judged_one_at_a_time():
-            if "torch._dynamo" in sys.modules:
-                return _run_unseen_by_compiler(self, func, args, kwargs or {})
-            return self.run(func, args, kwargs or {})
+            return self.run(func, args, kwargs)
 
     def run(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         sleeps = self.sleeps
@@ -429,10 +425,6 @@ def _host_end(func: Any, args: Sequence[Any], result: Any) -> tuple[torch.Tensor
     return (source, True) if source.device.type == "cpu" else (result, False)
 
 
-# torch's own guard, as it would have wrapped `__torch_dispatch__` (its import is lazy too).
-_run_unseen_by_compiler = torch._disable_dynamo(_AsyncCopies.run, recursive=True)
-
-
 class _Captures:
     """The CUDA graph captures of one scope: how many it began (`_counting_captures`) and has not
     ended yet."""
@@ -475,6 +467,29 @@ def _counting_captures(captures: _Captures) -> Iterator[None]:
         _replacing(torch.cuda.CUDAGraph, "capture_end", end),
     ):
         yield
+
+
+def _noting_replayed_copies(
+    captures: _Captures, inflight: InflightCopies | None
+) -> AbstractContextManager[None]:
+    """`torch.cuda.CUDAGraph.replay` replaced for the block by one that, once the graph is
+    replayed, notes the copies of pinned memory it captured in `inflight` (cuda_captures.py), on
+    the stream it replayed on; nothing while a capture is underway. Put back as `_replacing`
+    puts back; nothing replaced without `inflight`."""
+    if inflight is None:
+        return nullcontext()
+
+    def wrap(replay: Callable[..., Any]) -> Callable[..., Any]:
+        def replayed(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            result = replay(graph, *args, **kwargs)
+            if cuda_captures.captured_copies(graph) and not captures.underway(None):
+                with cuda_threads.judged_one_at_a_time():
+                    cuda_captures.note_replayed(graph, inflight, torch.cuda.current_stream())
+            return result
+
+        return replayed
+
+    return _replacing(torch.cuda.CUDAGraph, "replay", wrap)
 
 
 def _delayed_event_records(sleeps: _Sleeps) -> AbstractContextManager[None]:

@@ -29,7 +29,8 @@ A runner's own threads are told of too, where the cuda backend was active when t
 (a numpy view, `tolist()`, ctypes), a bypassing write of the bytes already there or one the host
 does not follow with an operation or a copy before the copy lands, pageable host memory (a
 non-blocking copy there is synchronous for the host) and copies inside a CUDA graph capture
-(their timing is the replay's).
+(their timing is the replay's: cuda_captures.py notes them at each replay under the delays, where
+the capture was made while the cuda backend was active).
 No query is made while a capture is underway: asking whether an event has completed ends a
 capture begun in torch's global mode with an error.
 """

@@ -20,14 +20,13 @@ only completion, not program order, says whether a copy was still in flight.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from pytest_graphmode.runtime.backends import cuda_captures
+from pytest_graphmode.runtime.backends.guarded_mode import GuardedOnceCompiling
 
 
 class Scope(Protocol):
@@ -57,17 +56,24 @@ _FOLLOWING = _Following()
 
 
 def activate() -> None:
-    """Follow the threads started from now on until the matching `deactivate()`; calls nest."""
+    """Follow the threads started from now on, and watch the captures for copies of host memory
+    (cuda_captures.py), until the matching `deactivate()`; calls nest."""
     following = _FOLLOWING
     with following.lock:
         if following.activations == 0:
-            following.restore = _follow_new_threads()
+            unfollow, unwatch = _follow_new_threads(), cuda_captures.watch_captures()
+
+            def restore() -> None:
+                unwatch()
+                unfollow()
+
+            following.restore = restore
         following.activations += 1
 
 
 def deactivate() -> None:
     """End an `activate()`: after the last one, threads started are no longer followed (those
-    already started stay followed for their life)."""
+    already started stay followed for their life) and captures no longer watched."""
     following = _FOLLOWING
     with following.lock:
         if following.activations == 0:
@@ -139,48 +145,14 @@ def _follow_new_threads() -> Callable[[], None]:
     return restore
 
 
-class GuardedOnceCompiling(TorchDispatchMode):
-    """A dispatch mode that leaves torch's compile guard to its `__torch_dispatch__`, which is to
-    apply it only once the compiler stack is imported, and that Dynamo does not trace into."""
-
-    # torch keeps torch.compile out of a mode's frames by wrapping `__torch_dispatch__` in a guard
-    # whose first call imports its whole compiler stack (about a second, and some 300,000 objects
-    # that every later full collection walks). Nothing can be compiling while that stack is not
-    # imported, so the guard is needed only once it is: `__torch_dispatch__` checks, per call.
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-    # While Dynamo traces, a mode it does not ignore is traced into, and the guard above is a
-    # graph break there: a runner's `torch.compile(fullgraph=True)` would fail under the mode.
-    # Ignored, the mode is off while compiling and on again while the compiled code runs.
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-
 class _FollowerMode(GuardedOnceCompiling):
     """A followed thread's mode: each operation to the scope underway, else as it is."""
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
+    def dispatch(
+        self, func: Any, types: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> Any:
         try:
             scope = _FOLLOWING.scopes[-1]
         except IndexError:  # no scope underway
-            if "torch._dynamo" in sys.modules:
-                return _run_unseen_by_compiler(func, args, kwargs or {})
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         return scope.__torch_dispatch__(func, types, args, kwargs)
-
-
-def _run(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-    return func(*args, **kwargs)
-
-
-# torch's own guard, as it would have wrapped `__torch_dispatch__` (its import is lazy too).
-_run_unseen_by_compiler = torch._disable_dynamo(_run, recursive=True)

@@ -121,14 +121,16 @@ def test_a_thread_started_before_the_backend_was_active_is_not_followed():
     assert scope.seen == []
 
 
-def test_activations_nest_and_the_last_one_puts_thread_start_back():
-    original = threading.Thread.start
+def test_activations_nest_and_the_last_one_puts_thread_start_and_the_capture_calls_back():
+    graph = torch.cuda.CUDAGraph
+    original = (threading.Thread.start, graph.capture_begin, graph.capture_end)
     cuda_threads.activate()
     cuda_threads.activate()
     cuda_threads.deactivate()
-    assert threading.Thread.start is not original
+    active = (threading.Thread.start, graph.capture_begin, graph.capture_end)
+    assert all(now is not before for now, before in zip(active, original, strict=True))
     cuda_threads.deactivate()
-    assert threading.Thread.start is original
+    assert (threading.Thread.start, graph.capture_begin, graph.capture_end) == original
     with pytest.raises(RuntimeError, match="without a matching activate"):
         cuda_threads.deactivate()
 

@@ -234,3 +234,31 @@ def test_a_blocking_download_into_an_upload_in_flight_races_it_from_another_stre
     (race,) = races
     assert race.later.op.startswith("aten.copy_ (blocking, device to host, on ")
     assert race.byte_range == (0, 16)
+
+
+@pytest.mark.graphmode_gpu_alone
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_host_write_into_staging_a_replay_still_reads_is_a_race(be, waits):
+    # The graph captured its own upload: every replay reads the staging when it runs.
+    staging, device = _staged(be)
+    graph = be.Graph()
+    with be.active(), be.graph(graph):  # active, as a campaign's twins: captures are watched
+        device.copy_(staging, non_blocking=True)
+    inflight = InflightCopies()
+    with delayed_compute(CYCLES, inflight=inflight):
+        graph.replay()
+        replayed = be.Event()
+        replayed.record()
+        if waits:
+            replayed.synchronize()
+        staging.fill_(1.0)  # the values the replay's copy holds already
+    be.synchronize()
+    races = inflight.take()
+    if waits:
+        assert races == []
+        return
+    (race,) = races
+    assert race.earlier.op.startswith("aten.copy_ (host to device, captured at ")
+    assert race.earlier.op.endswith(", replayed)")
+    assert race.later.op == "aten.fill_" and race.later.access == "write"
+    assert race.byte_range == (0, WORDS * 4)

@@ -435,6 +435,7 @@ def test_both_steps_of_a_delayed_pair_make_the_same_work_late(monkeypatch, late)
 UNGUARDED_UNTIL_COMPILING = """
 import json, sys
 import torch
+from pytest_graphmode.runtime.backends import guarded_mode
 from pytest_graphmode.strategies import stream_delays
 
 with stream_delays.delayed_streams(5):
@@ -443,8 +444,8 @@ imported = "torch._dynamo" in sys.modules
 import torch._dynamo
 
 guarded = []
-unseen = stream_delays._run_unseen_by_compiler
-stream_delays._run_unseen_by_compiler = lambda *args: guarded.append(1) or unseen(*args)
+unseen = guarded_mode._dispatch_unseen_by_compiler
+guarded_mode._dispatch_unseen_by_compiler = lambda *args: guarded.append(1) or unseen(*args)
 with stream_delays.delayed_streams(5):
     then = torch.ones(3).add_(2).tolist()
 print(json.dumps([imported, first, bool(guarded), then]))
