@@ -19,6 +19,7 @@ code, and copies a compiled region makes without the dispatcher.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,8 +46,12 @@ _CAPTURED: weakref.WeakKeyDictionary[Any, list[CapturedCopy]] = weakref.WeakKeyD
 
 
 def captured_copies(graph: Any) -> Sequence[CapturedCopy]:
-    """The pinned copies `graph` captured while captures were watched (none where unwatched)."""
-    return _CAPTURED.get(graph, ())
+    """The copies `graph` captured while captures were watched (none where unwatched, or where
+    its class takes no weak references)."""
+    try:
+        return _CAPTURED.get(graph, ())
+    except TypeError:
+        return ()
 
 
 def note_replayed(graph: Any, inflight: InflightCopies, stream: Any) -> None:
@@ -87,7 +92,10 @@ def watch_captures() -> Callable[[], None]:
             mode = watching.pop(id(graph), None)
             if mode is not None:
                 mode.__exit__(None, None, None)
-                _CAPTURED[graph] = mode.copies
+                # A graph class without weak references (a runner's own, with `__slots__`) is
+                # not watched: the capture must end whatever the watching can do.
+                with contextlib.suppress(TypeError):
+                    _CAPTURED[graph] = mode.copies
             return end(graph, *args, **kwargs)
 
         return capture_end

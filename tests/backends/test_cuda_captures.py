@@ -1,0 +1,89 @@
+"""The capture watch of the cuda backend (runtime/backends/cuda_captures.py), judged on the CPU
+with stand-ins for `torch.cuda.CUDAGraph`: the mode pushed at `capture_begin` is popped at
+`capture_end`, and a graph keeps what its capture saw. The copies themselves need a GPU
+(tests/fuzz/test_inflight_copies_cuda.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pytest_graphmode.runtime.backends import cuda_captures
+
+
+class _Graph:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def capture_begin(self, *args: object, **kwargs: object) -> None:
+        self.calls.append("begin")
+
+    def capture_end(self) -> None:
+        self.calls.append("end")
+
+
+class _SlottedGraph:
+    """A runner's own graph class that takes no weak references."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def capture_begin(self, *args: object, **kwargs: object) -> None:
+        self.calls.append("begin")
+
+    def capture_end(self) -> None:
+        self.calls.append("end")
+
+
+def _modes() -> int:
+    return torch._C._len_torch_dispatch_stack()
+
+
+def _watched(monkeypatch: pytest.MonkeyPatch, graph_class: type) -> Iterator[None]:
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", graph_class)
+    restore = cuda_captures.watch_captures()
+    yield
+    restore()
+
+
+@pytest.fixture
+def watched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    yield from _watched(monkeypatch, _Graph)
+
+
+@pytest.fixture
+def watched_slotted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    yield from _watched(monkeypatch, _SlottedGraph)
+
+
+def test_a_capture_is_watched_from_its_begin_to_its_end_and_the_graph_keeps_what_it_saw(watched):
+    graph, before = _Graph(), _modes()
+    graph.capture_begin(capture_error_mode="global")
+    assert _modes() == before + 1
+    torch.ones(2).add_(1)  # no copy between host and device: nothing kept
+    graph.capture_end()
+    assert _modes() == before
+    assert graph.calls == ["begin", "end"]
+    assert graph in cuda_captures._CAPTURED
+    assert list(cuda_captures.captured_copies(graph)) == []
+
+
+def test_a_graph_without_weak_references_still_ends_its_capture(watched_slotted):
+    graph, before = _SlottedGraph(), _modes()
+    graph.capture_begin()
+    graph.capture_end()
+    assert graph.calls == ["begin", "end"] and _modes() == before
+    assert list(cuda_captures.captured_copies(graph)) == []  # unwatched, not an error
+
+
+def test_the_watch_puts_the_capture_calls_back(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    begin, end = _Graph.capture_begin, _Graph.capture_end
+    restore = cuda_captures.watch_captures()
+    assert (_Graph.capture_begin, _Graph.capture_end) != (begin, end)
+    restore()
+    assert (_Graph.capture_begin, _Graph.capture_end) == (begin, end)
