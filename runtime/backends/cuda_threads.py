@@ -10,7 +10,8 @@ While the cuda backend is active (`activate()`: the twins' life in a campaign), 
 started gets a `_FollowerMode` for its whole life. It hands each operation of the thread to the
 delayed scope underway at that moment (`scope_entered`), if any, and otherwise runs it as it is:
 a pool's worker outlives the step that started it, and most of its operations come in unstressed
-steps. A thread started before the backend was activated is not followed.
+steps. A thread started before the backend was activated is not followed. The same activation
+has captures watched for the copies of pinned memory a graph replays (cuda_captures.py).
 
 The bookkeeping of the scope (its sleeps, the copies in flight) is one state for all threads:
 while a followed thread is alive, a scope's operations, from any thread, are judged one at a time
