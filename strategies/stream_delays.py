@@ -107,6 +107,8 @@ import torch
 from pytest_graphmode.runtime.backends import cuda_captures, cuda_threads, footprint
 from pytest_graphmode.runtime.backends.cuda_races import InflightCopies, stream_name
 from pytest_graphmode.runtime.backends.guarded_mode import GuardedOnceCompiling
+from pytest_graphmode.runtime.backends.host_copies import copy_device, host_end
+from pytest_graphmode.runtime.backends.replacing import replacing
 
 # The delays' own frames issue the copies they note: the program's line is the caller's.
 footprint.hide_file(__file__)
@@ -117,34 +119,7 @@ def async_copy_device(
 ) -> torch.device | None:
     """The cuda device whose current stream runs `func(*args, **kwargs)`, when that is a
     non-blocking copy between host memory and a cuda device; None for anything else."""
-    return _copy_device(func, args, kwargs, non_blocking=True)
-
-
-def _copy_device(
-    func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], non_blocking: bool
-) -> torch.device | None:
-    """The cuda device whose current stream runs `func(*args, **kwargs)`, when that is a copy
-    between host memory and a cuda device, non-blocking or not as asked; None otherwise."""
-    if func is torch.ops.aten.copy_.default:
-        destination, source = args[0], args[1]
-        asked = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
-        ends = (destination.device, source.device)
-    elif func is torch.ops.aten._to_copy.default:
-        source = args[0]
-        asked = kwargs.get("non_blocking", False)
-        target = kwargs.get("device")
-        ends = (source.device, source.device if target is None else torch.device(target))
-    else:
-        return None
-    return crossing_device(*ends) if bool(asked) == non_blocking else None
-
-
-def crossing_device(one: torch.device, other: torch.device) -> torch.device | None:
-    """The cuda end of a copy between host memory and a cuda device; None for any other pair."""
-    kinds = {one.type, other.type}
-    if kinds != {"cpu", "cuda"}:
-        return None
-    return one if one.type == "cuda" else other
+    return copy_device(func, args, kwargs, non_blocking=True)
 
 
 class StreamsMet:
@@ -393,7 +368,7 @@ class _AsyncCopies(GuardedOnceCompiling):
             if self.landing:
                 _wait_for(stream)
             if inflight is not None:
-                host, upload = _host_end(func, args, result)
+                host, upload = host_end(func, args, result)
                 inflight.queued(host, stream, upload, str(func.overloadpacket))
         return result
 
@@ -402,7 +377,7 @@ class _AsyncCopies(GuardedOnceCompiling):
     ) -> None:
         """Tell `inflight` of `func`, about to run: a host operation, or a blocking copy between
         host and device, which touches its host end as the host does, in its stream's order."""
-        device = _copy_device(func, args, kwargs, non_blocking=False)
+        device = copy_device(func, args, kwargs, non_blocking=False)
         if device is None:
             inflight.host_operation(func, args, kwargs, lambda: self.captures.underway(None))
             return
@@ -411,18 +386,8 @@ class _AsyncCopies(GuardedOnceCompiling):
             return
         if func is torch.ops.aten._to_copy.default and args[0].device.type != "cpu":
             return  # a download into a tensor it makes: no bytes anything else holds
-        host, upload = _host_end(func, args, None)
+        host, upload = host_end(func, args, None)
         inflight.blocking_copy(host, upload, str(func.overloadpacket), stream_name(stream))
-
-
-def _host_end(func: Any, args: Sequence[Any], result: Any) -> tuple[torch.Tensor, bool]:
-    """The host end of the non-blocking copy `func(*args)` that returned `result`, and whether
-    the copy is an upload (host to device)."""
-    if func is torch.ops.aten.copy_.default:
-        destination, source = args[0], args[1]
-        return (source, True) if source.device.type == "cpu" else (destination, False)
-    source = args[0]  # aten._to_copy: the copy is its result
-    return (source, True) if source.device.type == "cpu" else (result, False)
 
 
 class _Captures:
@@ -463,8 +428,8 @@ def _counting_captures(captures: _Captures) -> Iterator[None]:
         return counted
 
     with (
-        _replacing(torch.cuda.CUDAGraph, "capture_begin", begin),
-        _replacing(torch.cuda.CUDAGraph, "capture_end", end),
+        replacing(torch.cuda.CUDAGraph, "capture_begin", begin),
+        replacing(torch.cuda.CUDAGraph, "capture_end", end),
     ):
         yield
 
@@ -474,7 +439,7 @@ def _noting_replayed_copies(
 ) -> AbstractContextManager[None]:
     """`torch.cuda.CUDAGraph.replay` replaced for the block by one that, once the graph is
     replayed, notes the copies of pinned memory it captured in `inflight` (cuda_captures.py), on
-    the stream it replayed on; nothing while a capture is underway. Put back as `_replacing`
+    the stream it replayed on; nothing while a capture is underway. Put back as `replacing`
     puts back; nothing replaced without `inflight`."""
     if inflight is None:
         return nullcontext()
@@ -489,7 +454,7 @@ def _noting_replayed_copies(
 
         return replayed
 
-    return _replacing(torch.cuda.CUDAGraph, "replay", wrap)
+    return replacing(torch.cuda.CUDAGraph, "replay", wrap)
 
 
 def _delayed_event_records(sleeps: _Sleeps) -> AbstractContextManager[None]:
@@ -512,7 +477,7 @@ def _run_first(
     owner: type, name: str, first: Callable[..., object]
 ) -> AbstractContextManager[None]:
     """`owner.name` replaced for the block by a call that first calls `first` with the same
-    arguments (`_replacing`)."""
+    arguments (`replacing`)."""
 
     def then(original: Callable[..., Any]) -> Callable[..., Any]:
         def replaced(*args: Any, **kwargs: Any) -> Any:
@@ -521,26 +486,7 @@ def _run_first(
 
         return replaced
 
-    return _replacing(owner, name, then)
-
-
-@contextmanager
-def _replacing(
-    owner: type, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
-) -> Iterator[None]:
-    """`owner.name` replaced for the block by `wrap(original)`; on exit, also when the block
-    raises, the exact attribute `owner` had is put back (or removed, where it inherited it)."""
-    owned = name in vars(owner)
-    before = vars(owner).get(name)
-    original = getattr(owner, name)  # what an instance resolves today, inherited or not
-    setattr(owner, name, wrap(original))
-    try:
-        yield
-    finally:
-        if owned:
-            setattr(owner, name, before)
-        else:
-            delattr(owner, name)
+    return replacing(owner, name, then)
 
 
 def _current_stream(device: torch.device) -> Any:

@@ -30,6 +30,8 @@ import torch
 from pytest_graphmode.runtime.backends import footprint
 from pytest_graphmode.runtime.backends.cuda_races import InflightCopies, stream_name
 from pytest_graphmode.runtime.backends.guarded_mode import GuardedOnceCompiling
+from pytest_graphmode.runtime.backends.host_copies import copy_device, host_end
+from pytest_graphmode.runtime.backends.replacing import replacing
 
 
 @dataclass(frozen=True)
@@ -100,34 +102,10 @@ def watch_captures() -> Callable[[], None]:
 
         return capture_end
 
-    restores = [
-        _replaced(graph_class, "capture_begin", began),
-        _replaced(graph_class, "capture_end", ended),
-    ]
-
-    def restore() -> None:
-        for put_back in reversed(restores):
-            put_back()
-
-    return restore
-
-
-def _replaced(
-    owner: type, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
-) -> Callable[[], None]:
-    """`owner.name` replaced by `wrap(original)`; returns what puts back the exact attribute
-    `owner` had (or removes it, where it inherited it)."""
-    owned = name in vars(owner)
-    before = vars(owner).get(name)
-    setattr(owner, name, wrap(getattr(owner, name)))
-
-    def put_back() -> None:
-        if owned:
-            setattr(owner, name, before)
-        else:
-            delattr(owner, name)
-
-    return put_back
+    watch = contextlib.ExitStack()
+    watch.enter_context(replacing(graph_class, "capture_begin", began))
+    watch.enter_context(replacing(graph_class, "capture_end", ended))
+    return watch.close
 
 
 class _CaptureCopies(GuardedOnceCompiling):
@@ -141,7 +119,7 @@ class _CaptureCopies(GuardedOnceCompiling):
         self, func: Any, types: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> Any:
         result = func(*args, **kwargs)
-        ends = _host_end(func, args, result)
+        ends = _host_end(func, args, kwargs, result)
         if ends is not None:
             host, upload = ends
             direction = "host to device" if upload else "device to host"
@@ -151,20 +129,11 @@ class _CaptureCopies(GuardedOnceCompiling):
         return result
 
 
-def _host_end(func: Any, args: Sequence[Any], result: Any) -> tuple[torch.Tensor, bool] | None:
-    """The host end of `func(*args)` (which returned `result`) and whether it is an upload, when
-    that is a copy between host memory and a cuda device; None otherwise."""
-    if func is torch.ops.aten.copy_.default:
-        destination, source = args[0], args[1]
-    elif func is torch.ops.aten._to_copy.default:
-        destination, source = result, args[0]
-    else:
+def _host_end(
+    func: Any, args: Sequence[Any], kwargs: Mapping[str, Any], result: Any
+) -> tuple[torch.Tensor, bool] | None:
+    """The host end of `func(*args, **kwargs)` (which returned `result`) and whether it is an
+    upload, when that is a copy between host memory and a cuda device; None otherwise."""
+    if copy_device(func, args, kwargs, non_blocking=None) is None:
         return None
-    kinds = (source.device.type, destination.device.type)
-    if kinds == ("cpu", "cuda"):
-        host, upload = source, True
-    elif kinds == ("cuda", "cpu"):
-        host, upload = destination, False
-    else:
-        return None
-    return host, upload
+    return host_end(func, args, result)

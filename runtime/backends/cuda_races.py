@@ -164,35 +164,28 @@ class InflightCopies:
                     continue  # a read of what an upload reads too: no race
                 shared = footprint.overlap(copy.host, located[1])
                 if shared is not None:
-                    self._race(copy, located[1], shared, func, write)
+                    self._race(copy, located[1], shared, str(func.overloadpacket), write)
 
     def blocking_copy(self, host: torch.Tensor, upload: bool, op: str, stream: str) -> None:
         """A blocking copy between `host` and a cuda device is about to run on `stream` (named as
-        `stream_name` names it): the host
-        waits for it, so it reads (`upload`) or writes `host`'s bytes as a host operation would,
-        but after the work queued before it on `stream`. A race with every noted copy on another
-        stream still in flight whose host bytes it writes, or, for a download, reads. The caller
-        has made sure no capture is underway."""
+        `stream_name` names it): the host waits for it, so it reads (`upload`) or writes `host`'s
+        bytes as a host operation would, but after the work queued before it on `stream`. A race
+        with every noted copy on another stream still in flight whose host bytes it writes, or,
+        for a download, reads. The caller has made sure no capture is underway."""
         located = footprint.of(host)
         if located is None:
             return
         self._settle()
         write, bytes_ = not upload, located[1]
+        described = f"{op} (blocking, {_direction(upload)}, on {stream})"
         for copy in self._copies:
             shared = footprint.overlap(copy.host, bytes_)
             if shared is None or (copy.upload and not write):
                 continue
-            if write:
-                copy.watched = None  # a change the copy's landing makes, or this race: not unseen
-            if copy.side.stream != stream:  # on the same stream the copy comes first
-                where = footprint.format_line(footprint.source_line())
-                later = RaceSide(
-                    f"{op} (blocking, {_direction(upload)}, on {stream})",
-                    "the host",
-                    where,
-                    "write" if write else "read",
-                )
-                self._report(copy, bytes_, shared, later)
+            if copy.side.stream != stream:
+                self._race(copy, bytes_, shared, described, write)
+            elif write:  # on its own stream the copy came first: the change is no host's write
+                copy.watched = None
 
     def take(self) -> list[Race]:
         """The races found since the last call, first found first; forgets them, so the same race
@@ -239,10 +232,10 @@ class InflightCopies:
                 self._report(copy, copy.host, (lo, hi), later)  # the bytes that changed
 
     def _race(
-        self, copy: _Copy, host: Footprint, shared: tuple[int, int], func: Any, write: bool
+        self, copy: _Copy, host: Footprint, shared: tuple[int, int], op: str, write: bool
     ) -> None:
         where = footprint.format_line(footprint.source_line())
-        later = RaceSide(str(func.overloadpacket), "the host", where, "write" if write else "read")
+        later = RaceSide(op, "the host", where, "write" if write else "read")
         if write:
             copy.watched = None  # the change it makes is this race, not another
         self._report(copy, host, shared, later)

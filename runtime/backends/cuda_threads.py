@@ -28,17 +28,15 @@ from typing import Any, Protocol
 
 from pytest_graphmode.runtime.backends import cuda_captures
 from pytest_graphmode.runtime.backends.guarded_mode import GuardedOnceCompiling
+from pytest_graphmode.runtime.backends.new_threads import run_new_threads_in
 
 
 class Scope(Protocol):
-    """A delayed scope's dispatch mode, as a followed thread hands it an operation."""
+    """A delayed scope's dispatch mode, as a followed thread hands it an operation (its
+    `GuardedOnceCompiling.dispatch`: the follower applied the compile guard already)."""
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
+    def dispatch(
+        self, func: Any, types: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> Any: ...
 
 
@@ -52,8 +50,17 @@ class _Following:
         self.scopes: list[Scope] = []  # entered, innermost last
         self.restore: Callable[[], None] | None = None
 
+    def started(self) -> None:
+        with self.lock:
+            self.alive += 1
+
+    def ended(self) -> None:
+        with self.lock:
+            self.alive -= 1
+
 
 _FOLLOWING = _Following()
+_UNLOCKED = nullcontext()  # reusable: asked for on every operation of a delayed scope
 
 
 def activate() -> None:
@@ -102,7 +109,7 @@ def scope_entered(scope: Scope) -> Iterator[None]:
 def judged_one_at_a_time() -> AbstractContextManager[Any]:
     """What a scope holds while it judges an operation: the threads' lock while any followed
     thread is alive, nothing otherwise (a runner without threads pays nothing)."""
-    return _FOLLOWING.lock if _FOLLOWING.alive else nullcontext()
+    return _FOLLOWING.lock if _FOLLOWING.alive else _UNLOCKED
 
 
 def followed_threads() -> int:
@@ -111,39 +118,9 @@ def followed_threads() -> int:
 
 
 def _follow_new_threads() -> Callable[[], None]:
-    """`threading.Thread.start` replaced by one that runs the thread's target under a
-    `_FollowerMode`; returns what puts the original back."""
-    original = threading.Thread.start
-    following = _FOLLOWING
-
-    def start(self: threading.Thread) -> None:
-        run = self.run
-
-        def run_followed() -> None:
-            try:
-                with _FollowerMode():
-                    run()
-            finally:
-                with following.lock:
-                    following.alive -= 1
-
-        with following.lock:
-            following.alive += 1
-        self.run = run_followed  # type: ignore[method-assign]
-        try:
-            original(self)
-        except BaseException:
-            self.run = run  # type: ignore[method-assign]
-            with following.lock:
-                following.alive -= 1
-            raise
-
-    threading.Thread.start = start  # type: ignore[method-assign]
-
-    def restore() -> None:
-        threading.Thread.start = original  # type: ignore[method-assign]
-
-    return restore
+    """`threading.Thread.start` replaced by one that runs the thread under a `_FollowerMode`,
+    counted alive meanwhile; returns what puts the original back."""
+    return run_new_threads_in(_FollowerMode, _FOLLOWING.started, _FOLLOWING.ended)
 
 
 class _FollowerMode(GuardedOnceCompiling):
@@ -156,4 +133,4 @@ class _FollowerMode(GuardedOnceCompiling):
             scope = _FOLLOWING.scopes[-1]
         except IndexError:  # no scope underway
             return func(*args, **kwargs)
-        return scope.__torch_dispatch__(func, types, args, kwargs)
+        return scope.dispatch(func, types, args, kwargs)

@@ -13,9 +13,14 @@ import torch
 from pytest_graphmode.runtime.backends import cuda_captures
 
 
-class _Graph:
+class _Calls:
+    """The capture calls of a stand-in graph, noted (no `__dict__`, no weak references)."""
+
+    __slots__ = ()
+    calls: list[str]
+
     def __init__(self) -> None:
-        self.calls: list[str] = []
+        self.calls = []
 
     def capture_begin(self, *args: object, **kwargs: object) -> None:
         self.calls.append("begin")
@@ -24,19 +29,14 @@ class _Graph:
         self.calls.append("end")
 
 
-class _SlottedGraph:
+class _Graph(_Calls):
+    """As `torch.cuda.CUDAGraph`: takes weak references."""
+
+
+class _SlottedGraph(_Calls):
     """A runner's own graph class that takes no weak references."""
 
     __slots__ = ("calls",)
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def capture_begin(self, *args: object, **kwargs: object) -> None:
-        self.calls.append("begin")
-
-    def capture_end(self) -> None:
-        self.calls.append("end")
 
 
 def _modes() -> int:
@@ -60,16 +60,27 @@ def watched_slotted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield from _watched(monkeypatch, _SlottedGraph)
 
 
-def test_a_capture_is_watched_from_its_begin_to_its_end_and_the_graph_keeps_what_it_saw(watched):
+def test_a_capture_is_watched_from_its_begin_to_its_end_and_the_graph_keeps_what_it_saw(
+    watched, monkeypatch
+):
+    # Without a GPU a host-to-host copy stands in for an upload: the copies' own ends need one.
+    def upload_from_source(func, args, kwargs, result):
+        return (args[1], True) if func is torch.ops.aten.copy_.default else None
+
+    monkeypatch.setattr(cuda_captures, "_host_end", upload_from_source)
     graph, before = _Graph(), _modes()
+    staging, static = torch.ones(4), torch.zeros(4)
     graph.capture_begin(capture_error_mode="global")
     assert _modes() == before + 1
-    torch.ones(2).add_(1)  # no copy between host and device: nothing kept
+    torch.ones(2).add_(1)  # no copy: nothing kept
+    static.copy_(staging)
     graph.capture_end()
     assert _modes() == before
     assert graph.calls == ["begin", "end"]
-    assert graph in cuda_captures._CAPTURED
-    assert list(cuda_captures.captured_copies(graph)) == []
+    (copy,) = cuda_captures.captured_copies(graph)
+    assert copy.host() is staging and copy.upload
+    assert copy.op.startswith("aten.copy_ (host to device, captured at tests/backends/")
+    assert copy.op.endswith(", replayed)")
 
 
 def test_a_graph_without_weak_references_still_ends_its_capture(watched_slotted):

@@ -26,15 +26,11 @@ class _Recording:
     def __init__(self) -> None:
         self.seen: list[tuple[Any, str]] = []
 
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
+    def dispatch(
+        self, func: Any, types: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
     ) -> Any:
         self.seen.append((func, threading.current_thread().name))
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 @pytest.fixture

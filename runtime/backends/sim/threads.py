@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from pytest_graphmode.runtime.backends.new_threads import run_new_threads_in
+
 if TYPE_CHECKING:
     from pytest_graphmode.runtime.backends.sim.backend import SimBackend
     from pytest_graphmode.runtime.backends.sim.streams import SimStream
@@ -67,33 +69,9 @@ def serialized(method: F) -> F:
 def follow_new_threads(backend: SimBackend) -> Callable[[], None]:
     """Make threads started from now on see `backend`'s modes; returns what puts torch's
     `Thread.start` back."""
-    original = threading.Thread.start
-
-    def start(self: threading.Thread) -> None:
-        run = self.run
-
-        def run_on_sim() -> None:
-            try:
-                with _follower_modes(backend):
-                    run()
-            finally:
-                backend.threads.ended()
-
-        backend.threads.started()
-        self.run = run_on_sim  # type: ignore[method-assign]
-        try:
-            original(self)
-        except BaseException:
-            self.run = run  # type: ignore[method-assign]
-            backend.threads.ended()
-            raise
-
-    threading.Thread.start = start  # type: ignore[method-assign]
-
-    def restore() -> None:
-        threading.Thread.start = original  # type: ignore[method-assign]
-
-    return restore
+    return run_new_threads_in(
+        lambda: _follower_modes(backend), backend.threads.started, backend.threads.ended
+    )
 
 
 @contextmanager

@@ -1,0 +1,50 @@
+"""Threads started while a backend is active run their whole life inside the backend's context.
+
+torch keeps its dispatch modes per thread, so a backend whose modes must see a runner's own
+threads (the sim's, sim/threads.py; the cuda delays', cuda_threads.py) has each thread started
+meanwhile enter them itself, around its `run`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+
+def run_new_threads_in(
+    context: Callable[[], AbstractContextManager[Any]],
+    started: Callable[[], None],
+    ended: Callable[[], None],
+) -> Callable[[], None]:
+    """Until the returned call, `threading.Thread.start` runs each new thread's `run` inside
+    `context()`; `started` is called as a thread is started, `ended` once it ended (or failed to
+    start). Returns what puts the original `Thread.start` back."""
+    original = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        run = self.run
+
+        def run_inside() -> None:
+            try:
+                with context():
+                    run()
+            finally:
+                ended()
+
+        started()
+        self.run = run_inside  # type: ignore[method-assign]
+        try:
+            original(self)
+        except BaseException:
+            self.run = run  # type: ignore[method-assign]
+            ended()
+            raise
+
+    threading.Thread.start = start  # type: ignore[method-assign]
+
+    def restore() -> None:
+        threading.Thread.start = original  # type: ignore[method-assign]
+
+    return restore
