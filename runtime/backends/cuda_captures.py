@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from pytest_graphmode.runtime.backends import footprint
 from pytest_graphmode.runtime.backends.cuda_races import InflightCopies, stream_name
@@ -75,7 +76,8 @@ def note_replayed(graph: Any, inflight: InflightCopies, stream: Any) -> None:
 
 def watch_captures() -> Callable[[], None]:
     """Until the returned call, every `torch.cuda.CUDAGraph` capture keeps the copies between host
-    memory and a cuda device it captures (`captured_copies`)."""
+    memory and a cuda device it captures (`captured_copies`); `reset()` forgets them, and ends
+    the watch of a capture never ended."""
     graph_class = torch.cuda.CUDAGraph
     watching: dict[int, _CaptureCopies] = {}  # id(graph) -> its capture's mode
 
@@ -102,9 +104,24 @@ def watch_captures() -> Callable[[], None]:
 
         return capture_end
 
+    def was_reset(reset: Callable[..., Any]) -> Callable[..., Any]:
+        def reset_graph(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            # A runner may give up on a failed raw capture with `reset()` alone: the capture's
+            # mode is popped here, where it is still the innermost one of this thread (one
+            # pushed after it is the runner's, and popping past it would take that one too).
+            mode = watching.pop(id(graph), None)
+            if mode is not None and _get_current_dispatch_mode() is mode:
+                mode.__exit__(None, None, None)
+            with contextlib.suppress(TypeError):
+                _CAPTURED.pop(graph, None)
+            return reset(graph, *args, **kwargs)
+
+        return reset_graph
+
     watch = contextlib.ExitStack()
     watch.enter_context(replacing(graph_class, "capture_begin", began))
     watch.enter_context(replacing(graph_class, "capture_end", ended))
+    watch.enter_context(replacing(graph_class, "reset", was_reset))
     return watch.close
 
 

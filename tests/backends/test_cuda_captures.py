@@ -28,6 +28,9 @@ class _Calls:
     def capture_end(self) -> None:
         self.calls.append("end")
 
+    def reset(self) -> None:
+        self.calls.append("reset")
+
 
 class _Graph(_Calls):
     """As `torch.cuda.CUDAGraph`: takes weak references."""
@@ -83,6 +86,31 @@ def test_a_capture_is_watched_from_its_begin_to_its_end_and_the_graph_keeps_what
     assert copy.op.endswith(", replayed)")
 
 
+def test_a_reset_ends_the_watch_of_a_capture_never_ended_and_forgets_what_the_graph_kept(
+    watched, monkeypatch
+):
+    monkeypatch.setattr(cuda_captures, "_host_end", lambda func, args, kwargs, result: None)
+    graph, before = _Graph(), _modes()
+    graph.capture_begin()  # a raw capture the runner gives up on with reset() alone
+    graph.reset()
+    assert _modes() == before and graph.calls == ["begin", "reset"]
+    kept = cuda_captures.CapturedCopy(lambda: None, True, "a copy")  # type: ignore[arg-type]
+    cuda_captures._CAPTURED[graph] = [kept]
+    graph.reset()
+    assert list(cuda_captures.captured_copies(graph)) == []
+
+
+def test_a_reset_leaves_a_mode_pushed_after_the_capture_where_it_is(watched):
+    graph, before = _Graph(), _modes()
+    graph.capture_begin()
+    with torch.utils._python_dispatch.TorchDispatchMode():
+        graph.reset()  # the runner's mode is innermost: popping the capture's would pop it
+        assert _modes() == before + 2
+    assert _modes() == before + 1
+    while _modes() > before:  # what the capture left pushed, cleaned up for the next test
+        torch.utils._python_dispatch._pop_mode()
+
+
 def test_a_graph_without_weak_references_still_ends_its_capture(watched_slotted):
     graph, before = _SlottedGraph(), _modes()
     graph.capture_begin()
@@ -93,8 +121,9 @@ def test_a_graph_without_weak_references_still_ends_its_capture(watched_slotted)
 
 def test_the_watch_puts_the_capture_calls_back(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
-    begin, end = _Graph.capture_begin, _Graph.capture_end
+    calls = ("capture_begin", "capture_end", "reset")
+    before = [getattr(_Graph, name) for name in calls]
     restore = cuda_captures.watch_captures()
-    assert (_Graph.capture_begin, _Graph.capture_end) != (begin, end)
+    assert all(getattr(_Graph, name) is not was for name, was in zip(calls, before, strict=True))
     restore()
-    assert (_Graph.capture_begin, _Graph.capture_end) == (begin, end)
+    assert [getattr(_Graph, name) for name in calls] == before
