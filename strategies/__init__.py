@@ -5,6 +5,8 @@
   turn plans into legal `Batch`es.
 - `schedules`: `schedules(spec, max_steps)`, `step_plans(spec)`, `batch_lists(spec, max_steps)`
   and their parts, derived from a `TargetSpec`.
+- `leading`: the fixed schedules a campaign runs before it draws any (`LEADING_EXAMPLES`,
+  `first_pair` to `first_return_after_padded_steps`).
 - `swarm`: `swarms(spec)`, the features and stressors one schedule leaves on (swarm testing).
 - `stressors`: what happens to a target between steps (poison, churn, delays).
 - `stream_delays`: `delayed_streams(cycles, hold_cycles=0, held_stream=None, met=None)` and

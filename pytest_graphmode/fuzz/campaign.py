@@ -41,23 +41,10 @@ from pytest_graphmode.fuzz.registry import (
     is_out_of_device_memory,
 )
 from pytest_graphmode.settings import hypothesis_settings, resolve_backend
+from pytest_graphmode.strategies.leading import LEADING_EXAMPLES, ON_FRESH_TWINS
 from pytest_graphmode.strategies.plans import StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import compile_schedule
-from pytest_graphmode.strategies.schedules import (
-    first_capture_on_long_contexts,
-    first_front_departure,
-    first_graph_stream_sweep,
-    first_handover,
-    first_pair,
-    first_partial_bucket,
-    first_phase_change,
-    first_return_after_padded_steps,
-    first_return_after_preemption,
-    first_stale_tail,
-    first_stream_sweep,
-    first_tokens_past_the_largest_graph,
-    schedules,
-)
+from pytest_graphmode.strategies.schedules import schedules
 
 
 def target_spec(factory: TargetFactory, backend: str) -> TargetSpec:
@@ -318,33 +305,14 @@ def seeded(test: Callable[[], None], seed: int | None, run: int) -> Callable[[],
     return hypothesis.seed(run_seed)(test)
 
 
-_LEADING: tuple[Callable[[TargetSpec], list[StepPlan]], ...] = (
-    first_pair,
-    first_phase_change,
-    first_partial_bucket,
-    first_front_departure,
-    first_stale_tail,
-    first_handover,
-    first_stream_sweep,
-    first_tokens_past_the_largest_graph,
-    first_capture_on_long_contexts,
-    first_graph_stream_sweep,
-    first_return_after_preemption,
-    first_return_after_padded_steps,
-)
-# Starts on fresh twins wherever it falls (an empty schedule before it moves it forward): a runner
-# that captures a graph the first time a batch needs it must capture one there, on long contexts.
-_ON_FRESH_TWINS = first_capture_on_long_contexts
-
-
 def _leading_schedules(
     spec: TargetSpec,
 ) -> tuple[list[list[StepPlan]], list[str], int | None]:
     """The fixed schedules a campaign runs first, in order, an empty one left out; their names
-    (the functions of `strategies.schedules` that make them); and the index among them of the one
+    (the functions of `strategies.leading` that make them); and the index among them of the one
     that starts on fresh twins (None where that one is empty)."""
-    made = [(make, plans) for make in _LEADING if (plans := make(spec))]
-    fresh = next((i for i, (make, _) in enumerate(made) if make is _ON_FRESH_TWINS), None)
+    made = [(make, plans) for make in LEADING_EXAMPLES if (plans := make(spec))]
+    fresh = next((i for i, (make, _) in enumerate(made) if make is ON_FRESH_TWINS), None)
     return [plans for _, plans in made], [make.__name__ for make, _ in made], fresh
 
 

@@ -23,9 +23,8 @@ from pytest_graphmode.fuzz import CHECKS, CampaignStats, GraphmodeFailure, run_c
 from pytest_graphmode.fuzz.isolation import NO_DEVICE_FAULT
 from pytest_graphmode.fuzz.lockstep import key_text
 from pytest_graphmode.fuzz.registry import RANK_CHECKS
-from pytest_graphmode.strategies.plans import Stress
-from pytest_graphmode.strategies.schedules import (
-    DELAY_CYCLES,
+from pytest_graphmode.strategies.leading import (
+    LEADING_EXAMPLES,
     first_capture_on_long_contexts,
     first_front_departure,
     first_graph_stream_sweep,
@@ -39,6 +38,8 @@ from pytest_graphmode.strategies.schedules import (
     first_stream_sweep,
     first_tokens_past_the_largest_graph,
 )
+from pytest_graphmode.strategies.plans import Stress
+from pytest_graphmode.strategies.schedules import DELAY_CYCLES
 from tests.fuzz import out_of_memory_target, toy
 
 
@@ -187,7 +188,7 @@ def test_a_time_budget_runs_hypothesis_in_rounds_with_the_leading_examples_once(
     assert stats.examples == len(seen) == rounds + 5 and not stats.stopped_by_time_budget
     # Only the first round starts with the twelve leading examples; later rounds draw as a fresh
     # ci-sized run.
-    for i in range(len(campaign_module._LEADING)):
+    for i in range(len(LEADING_EXAMPLES)):
         assert [j for j, events in enumerate(seen) if events == seen[i]] == [i]
     assert sum(isinstance(e, Batch) for e in seen[1]) == len(first_phase_change(toy.SPEC))
     assert sum(isinstance(e, Batch) for e in seen[2]) == len(first_partial_bucket(toy.SPEC))

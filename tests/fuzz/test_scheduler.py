@@ -12,6 +12,7 @@ from hypothesis.errors import NoSuchExample
 
 from pytest_graphmode.contract import Batch, Request, batch_problems
 from pytest_graphmode.fuzz.lockstep import bucket_for
+from pytest_graphmode.strategies import leading
 from pytest_graphmode.strategies import schedules as schedules_module
 from pytest_graphmode.strategies.plans import Arrival, StepPlan, Stress
 from pytest_graphmode.strategies.scheduler import BlockAllocator, BlockScheduler, compile_schedule
@@ -258,7 +259,7 @@ def test_a_swarms_step_strategies_are_built_once_not_once_per_step():
 
 @pytest.mark.parametrize("spec", [SPEC, DECODE_ONLY, TIGHT], ids=["full", "decode", "tight"])
 def test_the_partial_bucket_schedule_grows_a_batch_within_one_captured_size(spec):
-    events = compile_schedule(spec, schedules_module.first_partial_bucket(spec), seed=0)
+    events = compile_schedule(spec, leading.first_partial_bucket(spec), seed=0)
     batches = [e for e in events if isinstance(e, Batch)]
     assert all(batch_problems(b, spec) == [] for b in batches)
     n = min(4, spec.max_num_reqs)
@@ -281,7 +282,7 @@ def test_the_partial_bucket_schedule_grows_a_batch_within_one_captured_size(spec
 def test_the_partial_bucket_schedule_ends_one_request_past_the_largest_captured_size():
     # a step may hold 6 requests, the largest graph 4: one more request than fits any graph
     past = dataclasses.replace(SPEC, capture_sizes=(1, 2, 4))
-    events = compile_schedule(past, schedules_module.first_partial_bucket(past), seed=0)
+    events = compile_schedule(past, leading.first_partial_bucket(past), seed=0)
     batches = [e for e in events if isinstance(e, Batch)]
     assert all(batch_problems(b, past) == [] for b in batches)
     assert [len(b.requests) for b in batches] == [3, 3, 1, 4, 3, 3, 1, 5]
@@ -289,12 +290,12 @@ def test_the_partial_bucket_schedule_ends_one_request_past_the_largest_captured_
     assert all(len(r.tokens) == 1 and r.context_len for r in last.requests)  # a decode batch
     # where the cache cannot hold them all, the schedule stops after the rotated batches
     tight = dataclasses.replace(past, num_blocks=5, max_blocks_per_req=2)
-    assert len(schedules_module.first_partial_bucket(tight)) == 6
+    assert len(leading.first_partial_bucket(tight)) == 6
 
 
 def test_the_partial_bucket_schedule_is_empty_where_a_step_holds_one_request():
     single = dataclasses.replace(SPEC, max_num_reqs=1)
-    assert schedules_module.first_partial_bucket(single) == []
+    assert leading.first_partial_bucket(single) == []
 
 
 LONG_BLOCKS = dataclasses.replace(SPEC, block_size=16, num_blocks=8, max_num_tokens=16)
@@ -306,7 +307,7 @@ LONG_BLOCKS = dataclasses.replace(SPEC, block_size=16, num_blocks=8, max_num_tok
     ids=["full", "decode", "long-blocks", "long-blocks-small-budget"],
 )
 def test_the_front_departure_schedule_grows_a_survivor_after_the_first_row_left(spec):
-    events = compile_schedule(spec, schedules_module.first_front_departure(spec), seed=0)
+    events = compile_schedule(spec, leading.first_front_departure(spec), seed=0)
     batches = [e for e in events if isinstance(e, Batch)]
     assert all(batch_problems(b, spec) == [] for b in batches)
     first = batches[0].requests[0]
@@ -339,7 +340,7 @@ def test_the_front_departure_schedule_grows_a_survivor_after_the_first_row_left(
     ids=["two-rows", "one-block", "tight", "one-slot-blocks", "long-blocks-without-prefill"],
 )
 def test_the_front_departure_schedule_is_left_out_where_it_cannot_run(spec):
-    assert schedules_module.first_front_departure(spec) == []
+    assert leading.first_front_departure(spec) == []
 
 
 WIDE = dataclasses.replace(SPEC, max_num_reqs=8, max_num_tokens=32, num_blocks=20)
@@ -351,7 +352,7 @@ WIDE = dataclasses.replace(SPEC, max_num_reqs=8, max_num_tokens=32, num_blocks=2
     ids=["one-padding-row", "two-padding-rows", "decode-only"],
 )
 def test_the_stale_tail_schedule_shrinks_a_batch_within_its_graph(spec, rows, query_len):
-    events = compile_schedule(spec, schedules_module.first_stale_tail(spec), seed=0)
+    events = compile_schedule(spec, leading.first_stale_tail(spec), seed=0)
     batches = [e for e in events if isinstance(e, Batch)]
     assert all(batch_problems(b, spec) == [] for b in batches)
     assert tuple(len(b.requests) for b in batches) == rows
@@ -366,7 +367,7 @@ def test_the_stale_tail_schedule_shrinks_a_batch_within_its_graph(spec, rows, qu
 
 @pytest.mark.parametrize("spec", [SPEC, WIDE], ids=["one-padding-row", "two-padding-rows"])
 def test_the_stale_tail_schedule_decodes_the_rows_of_a_partly_rejected_speculative_step(spec):
-    events = compile_schedule(spec, schedules_module.first_stale_tail(spec), seed=0)
+    events = compile_schedule(spec, leading.first_stale_tail(spec), seed=0)
     speculative, after = [e for e in events if isinstance(e, Batch)][2:]
     drafts = len(speculative.requests[0].tokens) - 1
     assert drafts >= 2  # some accepted, some rejected
@@ -381,7 +382,7 @@ def test_the_stale_tail_schedule_decodes_the_rows_of_a_partly_rejected_speculati
 def test_the_stale_tail_steps_after_the_prefill_make_the_host_late(spec):
     # A runner that writes its padding rows into pinned staging after queueing their upload
     # shows it on cuda only where the upload lands first: what the step before left is uploaded.
-    prefill, *after = schedules_module.first_stale_tail(spec)
+    prefill, *after = leading.first_stale_tail(spec)
     assert prefill.stress == Stress()
     assert after and all(p.stress == Stress(delay_cycles=DELAY_CYCLES, late="host") for p in after)
 
@@ -418,7 +419,7 @@ EVERY_EIGHT = dataclasses.replace(WIDE, capture_sizes=(1, 2, 4, 8, 16, 24, 32))
 
 
 def test_the_stale_tail_speculative_step_pads_a_graph_keyed_by_tokens_too():
-    events = compile_schedule(EVERY_EIGHT, schedules_module.first_stale_tail(EVERY_EIGHT), seed=0)
+    events = compile_schedule(EVERY_EIGHT, leading.first_stale_tail(EVERY_EIGHT), seed=0)
     speculative = [e for e in events if isinstance(e, Batch)][2]
     assert speculative.num_reqs == 6 and bucket_for(EVERY_EIGHT, speculative.num_reqs) == 8
     # two drafts, not three: 18 tokens pad to a graph of 24 tokens as 6 rows pad to 8
@@ -436,7 +437,7 @@ def test_the_stale_tail_speculative_step_pads_a_graph_keyed_by_tokens_too():
     ids=["dense-sizes", "one-size", "fewer-rows-than-the-graph", "small-cache"],
 )
 def test_the_stale_tail_schedule_is_left_out_where_it_cannot_run(spec):
-    assert schedules_module.first_stale_tail(spec) == []
+    assert leading.first_stale_tail(spec) == []
 
 
 @pytest.mark.parametrize(
@@ -449,7 +450,7 @@ def test_the_stale_tail_schedule_is_left_out_where_it_cannot_run(spec):
     ids=["one-adapter", "seven-adapters", "neither"],
 )
 def test_the_handover_schedule_runs_requests_with_other_values_alone_in_turn(spec, seeds, adapters):
-    events = compile_schedule(spec, schedules_module.first_handover(spec), seed=0)
+    events = compile_schedule(spec, leading.first_handover(spec), seed=0)
     batches = [e for e in events if isinstance(e, Batch)]
     assert all(batch_problems(b, spec) == [] for b in batches)
     batches = batches[:6]  # the handover; what follows it is the next test's
@@ -474,7 +475,7 @@ def test_the_handover_schedule_runs_requests_with_other_values_alone_in_turn(spe
     ids=["prefill", "decode-only", "no-even-size-of-four-or-more"],
 )
 def test_the_handover_schedule_then_lists_a_new_request_first_and_grows_a_query(spec, prefills):
-    events = compile_schedule(spec, schedules_module.first_handover(spec), seed=0)
+    events = compile_schedule(spec, leading.first_handover(spec), seed=0)
     batches = [e for e in events if isinstance(e, Batch)][6:]
     joined = batches[0]
     # one-token rows, the new request listed before the one that continues
@@ -497,7 +498,7 @@ def test_the_handover_schedule_then_lists_a_new_request_first_and_grows_a_query(
     ids=["one-slot-per-request", "one-slot-in-the-cache"],
 )
 def test_the_handover_schedule_is_left_out_where_a_request_cannot_decode(spec):
-    assert schedules_module.first_handover(spec) == []
+    assert leading.first_handover(spec) == []
 
 
 @pytest.mark.parametrize(
@@ -510,10 +511,10 @@ def test_the_phase_change_schedule_decodes_the_long_request_alone_whatever_the_b
 ):
     # capacity - 2 where the budget takes the prompt in the steps the schedule may hold; without
     # the "prefill" feature a prompt takes a step a token, and is shortened to fit
-    events = compile_schedule(spec, schedules_module.first_phase_change(spec), seed=0)
+    events = compile_schedule(spec, leading.first_phase_change(spec), seed=0)
     batches = [e for e in events if isinstance(e, Batch)]
     assert all(batch_problems(b, spec) == [] for b in batches)
-    assert len(batches) <= schedules_module.MAX_LEADING_STEPS
+    assert len(batches) <= leading.MAX_LEADING_STEPS
     long_id = batches[2].requests[0].req_id  # admitted by the pair's second step
     alone = [b.requests[0] for b in batches if [r.req_id for r in b.requests] == [long_id]]
     decoded = [r for r in alone if len(r.tokens) == 1 and r.context_len >= longest]
@@ -560,7 +561,7 @@ def test_a_campaign_sends_two_adapters_to_one_graph_where_the_spec_has_them():
 def test_the_stream_sweep_decodes_beside_a_prefill_with_each_stream_held_back_in_turn(
     spec, prompt, sampled
 ):
-    events = compile_schedule(spec, schedules_module.first_stream_sweep(spec), seed=0)
+    events = compile_schedule(spec, leading.first_stream_sweep(spec), seed=0)
     batches = [e for e in events if isinstance(e, Batch)]
     assert all(batch_problems(b, spec) == [] for b in batches)
     stresses = [e for e in events if isinstance(e, Stress)]
@@ -581,7 +582,7 @@ def test_the_stream_sweep_decodes_beside_a_prefill_with_each_stream_held_back_in
 
 def test_the_stream_sweep_is_left_out_where_a_step_cannot_hold_two_requests():
     one = dataclasses.replace(SPEC, max_num_reqs=1)
-    assert schedules_module.first_stream_sweep(one) == []
+    assert leading.first_stream_sweep(one) == []
 
 
 PAST_FITS = dataclasses.replace(SPEC, capture_sizes=(1, 2, 4), num_blocks=24)
@@ -595,7 +596,7 @@ PAST_FITS = dataclasses.replace(SPEC, capture_sizes=(1, 2, 4), num_blocks=24)
 def test_the_graph_stream_sweep_holds_each_stream_back_as_a_request_returns_then_past_the_graphs(
     spec, returns_at
 ):
-    events = compile_schedule(spec, schedules_module.first_graph_stream_sweep(spec), seed=0)
+    events = compile_schedule(spec, leading.first_graph_stream_sweep(spec), seed=0)
     batches = [e for e in events if isinstance(e, Batch)]
     assert all(batch_problems(b, spec) == [] for b in batches)
     stresses = [e for e in events if isinstance(e, Stress)]
@@ -620,11 +621,11 @@ def test_the_graph_stream_sweep_holds_each_stream_back_as_a_request_returns_then
 
 def test_the_graph_stream_sweep_leaves_out_what_its_spec_cannot_hold():
     # six requests a step, graphs up to 8: no step past the largest graph
-    assert len(schedules_module.first_graph_stream_sweep(SPEC)) == 7
+    assert len(leading.first_graph_stream_sweep(SPEC)) == 7
     one = dataclasses.replace(SPEC, max_num_reqs=1)
-    assert schedules_module.first_graph_stream_sweep(one) == []
+    assert leading.first_graph_stream_sweep(one) == []
     short = dataclasses.replace(SPEC, max_blocks_per_req=1)  # four positions a request
-    assert schedules_module.first_graph_stream_sweep(short) == []
+    assert leading.first_graph_stream_sweep(short) == []
 
 
 @pytest.mark.parametrize(
@@ -649,7 +650,7 @@ def test_the_graph_stream_sweep_leaves_out_what_its_spec_cannot_hold():
 def test_a_speculative_step_of_a_graphs_request_count_goes_just_past_the_largest_graph(
     spec, rows, drafts
 ):
-    events = compile_schedule(spec, schedules_module.first_tokens_past_the_largest_graph(spec))
+    events = compile_schedule(spec, leading.first_tokens_past_the_largest_graph(spec))
     batches = [e for e in events if isinstance(e, Batch)]
     assert all(batch_problems(b, spec) == [] for b in batches)
     assert [b.num_reqs for b in batches] == [rows] * 5
@@ -669,14 +670,14 @@ def test_a_speculative_step_of_a_graphs_request_count_goes_just_past_the_largest
 
 
 def test_the_tokens_past_the_largest_graph_need_speculative_decoding():
-    assert schedules_module.first_tokens_past_the_largest_graph(DECODE_ONLY) == []
+    assert leading.first_tokens_past_the_largest_graph(DECODE_ONLY) == []
     tight = dataclasses.replace(SPEC, max_num_tokens=SPEC.capture_sizes[-1])
-    assert schedules_module.first_tokens_past_the_largest_graph(tight) == []
+    assert leading.first_tokens_past_the_largest_graph(tight) == []
 
 
 @pytest.mark.parametrize("spec", [SPEC, DECODE_ONLY], ids=["prefill", "decode-only"])
 def test_a_preempted_request_comes_back_beside_the_one_that_took_its_blocks(spec):
-    events = compile_schedule(spec, schedules_module.first_return_after_preemption(spec), seed=0)
+    events = compile_schedule(spec, leading.first_return_after_preemption(spec), seed=0)
     batches = [e for e in events if isinstance(e, Batch)]
     assert all(batch_problems(b, spec) == [] for b in batches)
 
@@ -695,16 +696,13 @@ def test_a_preempted_request_comes_back_beside_the_one_that_took_its_blocks(spec
 
 
 def test_the_return_after_preemption_needs_three_requests_and_their_blocks():
-    assert (
-        schedules_module.first_return_after_preemption(dataclasses.replace(SPEC, max_num_reqs=2))
-        == []
-    )
-    assert schedules_module.first_return_after_preemption(TIGHT) == []
+    assert leading.first_return_after_preemption(dataclasses.replace(SPEC, max_num_reqs=2)) == []
+    assert leading.first_return_after_preemption(TIGHT) == []
 
 
 @pytest.mark.parametrize("spec", [SPEC, DECODE_ONLY], ids=["prefill", "decode-only"])
 def test_a_request_comes_back_after_sitting_out_padded_replays(spec):
-    plans = schedules_module.first_return_after_padded_steps(spec)
+    plans = leading.first_return_after_padded_steps(spec)
     batches = [e for e in compile_schedule(spec, plans, seed=0) if isinstance(e, Batch)]
     assert all(batch_problems(b, spec) == [] for b in batches)
     ids = [[r.req_id for r in b.requests] for b in batches]
@@ -719,12 +717,9 @@ def test_a_request_comes_back_after_sitting_out_padded_replays(spec):
 
 def test_the_return_after_padded_steps_needs_a_padded_count_and_room():
     consecutive = dataclasses.replace(SPEC, capture_sizes=(1, 2, 3, 4))
-    assert schedules_module.first_return_after_padded_steps(consecutive) == []
-    assert (
-        schedules_module.first_return_after_padded_steps(dataclasses.replace(SPEC, max_num_reqs=3))
-        == []
-    )
-    assert schedules_module.first_return_after_padded_steps(TIGHT) == []
+    assert leading.first_return_after_padded_steps(consecutive) == []
+    assert leading.first_return_after_padded_steps(dataclasses.replace(SPEC, max_num_reqs=3)) == []
+    assert leading.first_return_after_padded_steps(TIGHT) == []
 
 
 def test_boundary_draft_counts_put_a_speculative_step_at_or_just_past_a_capture_size():

@@ -10,11 +10,11 @@ from collections.abc import Iterable
 import pytest
 import torch
 
-import pytest_graphmode.fuzz.campaign as campaign_module
 from pytest_graphmode.contract import TargetFactory
 from pytest_graphmode.fuzz import GraphmodeFailure, run_campaign
 from pytest_graphmode.fuzz.isolation import run_isolated
 from pytest_graphmode.fuzz.ranks import run_rank_campaign
+from pytest_graphmode.strategies.leading import LEADING_EXAMPLES
 from tests.runners.caught import assert_caught, failure_of
 
 # runner -> the check that catches its bug on sim
@@ -514,7 +514,7 @@ ON_CUDA["gdn_sorted_state_indices_cached"] = RACE_ON_CUDA
 ON_CUDA["sibling_slot_gather"] = ("replay_matches_eager", "padding_inert")
 # The overwritten offsets are indices: an exception on sim, a device-side assert on a GPU.
 ON_CUDA["graph_output_weak_ref"] = ("replay_matches_eager", "no_device_fault")
-LEADING = len(campaign_module._LEADING)  # the campaign's fixed leading examples
+LEADING = len(LEADING_EXAMPLES)  # the campaign's fixed leading examples
 # vLLM's start-up profiling asserts that the GPU's free memory did not rise while it profiled,
 # which another process freeing memory on the same GPU breaks: on a GPU shared by eight pytest
 # workers, the correct runner failed so (2026-12-05, late); alone, on the same H200, it passed.
