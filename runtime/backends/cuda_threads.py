@@ -21,14 +21,13 @@ only completion, not program order, says whether a copy was still in flight.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
 from pytest_graphmode.runtime.backends import cuda_captures
 from pytest_graphmode.runtime.backends.guarded_mode import GuardedOnceCompiling
-from pytest_graphmode.runtime.backends.new_threads import run_new_threads_in
+from pytest_graphmode.runtime.backends.new_threads import LiveThreads, run_new_threads_in
 
 
 class Scope(Protocol):
@@ -40,23 +39,15 @@ class Scope(Protocol):
     ) -> Any: ...
 
 
-class _Following:
-    """Process-wide: how often the backend is active, the scopes underway, the threads alive."""
+class _Following(LiveThreads):
+    """Process-wide: how often the backend is active, the scopes underway, the followed threads
+    still running (`alive`)."""
 
     def __init__(self) -> None:
-        self.lock = threading.RLock()
+        super().__init__()
         self.activations = 0
-        self.alive = 0  # followed threads still running
         self.scopes: list[Scope] = []  # entered, innermost last
         self.restore: Callable[[], None] | None = None
-
-    def started(self) -> None:
-        with self.lock:
-            self.alive += 1
-
-    def ended(self) -> None:
-        with self.lock:
-            self.alive -= 1
 
 
 _FOLLOWING = _Following()
@@ -120,7 +111,7 @@ def followed_threads() -> int:
 def _follow_new_threads() -> Callable[[], None]:
     """`threading.Thread.start` replaced by one that runs the thread under a `_FollowerMode`,
     counted alive meanwhile; returns what puts the original back."""
-    return run_new_threads_in(_FollowerMode, _FOLLOWING.started, _FOLLOWING.ended)
+    return run_new_threads_in(_FollowerMode, _FOLLOWING)
 
 
 class _FollowerMode(GuardedOnceCompiling):

@@ -13,15 +13,31 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 
+class LiveThreads:
+    """How many threads started under `run_new_threads_in` are still running, and a lock for
+    what they share with the thread that started them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.alive = 0
+
+    def started(self) -> None:
+        with self.lock:
+            self.alive += 1
+
+    def ended(self) -> None:
+        with self.lock:
+            self.alive -= 1
+
+
 def run_new_threads_in(
-    context: Callable[[], AbstractContextManager[Any]],
-    started: Callable[[], None],
-    ended: Callable[[], None],
+    context: Callable[[], AbstractContextManager[Any]], threads: LiveThreads
 ) -> Callable[[], None]:
     """Until the returned call, `threading.Thread.start` runs each new thread's `run` inside
-    `context()`; `started` is called as a thread is started, `ended` once it ended (or failed to
-    start). Returns what puts the original `Thread.start` back."""
+    `context()`, counted in `threads` from its start until it ended (or failed to start).
+    Returns what puts the original `Thread.start` back."""
     original = threading.Thread.start
+    started, ended = threads.started, threads.ended
 
     def start(self: threading.Thread) -> None:
         run = self.run

@@ -25,6 +25,7 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from pytest_graphmode.runtime.backends.errors import CaptureError, UseAfterFreeError
+from pytest_graphmode.runtime.backends.new_threads import LiveThreads
 from pytest_graphmode.runtime.backends.race import Race
 from pytest_graphmode.runtime.backends.sim.attention import patch_causal_bias_new
 from pytest_graphmode.runtime.backends.sim.capture import patch_custom_op_alias_check
@@ -43,7 +44,6 @@ from pytest_graphmode.runtime.backends.sim.pool import SimPoolHandle
 from pytest_graphmode.runtime.backends.sim.streams import SimEvent, SimStream, StreamScheduler
 from pytest_graphmode.runtime.backends.sim.sync_debug import warn_or_error_on_sync
 from pytest_graphmode.runtime.backends.sim.threads import (
-    SimThreads,
     ThreadStreams,
     follow_new_threads,
     serialized,
@@ -111,7 +111,7 @@ class SimBackend(Dispatching):
         self.scheduler = StreamScheduler(seed)
         self._default = SimStream(_backend=self)
         self._streams = ThreadStreams()
-        self.threads = SimThreads()
+        self.threads = LiveThreads()
         self._restores: list[Callable[[], None]] = []
         self._capture_stream = SimStream(_backend=self)
         self._active = None

@@ -21,13 +21,14 @@ from pytest_graphmode.runtime.backends.sim.streams import SimStream
 from pytest_graphmode.runtime.backends.sim.sync_debug import warn_or_error_on_sync
 
 if TYPE_CHECKING:
+    from pytest_graphmode.runtime.backends.new_threads import LiveThreads
     from pytest_graphmode.runtime.backends.sim.device_mode import DeviceMode
     from pytest_graphmode.runtime.backends.sim.frees import StreamOrderedFrees
     from pytest_graphmode.runtime.backends.sim.graphs import SimGraph
     from pytest_graphmode.runtime.backends.sim.happens_before import RaceChecker
     from pytest_graphmode.runtime.backends.sim.memory_ledger import DeviceMemory
     from pytest_graphmode.runtime.backends.sim.streams import StreamScheduler
-    from pytest_graphmode.runtime.backends.sim.threads import SimThreads, ThreadStreams
+    from pytest_graphmode.runtime.backends.sim.threads import ThreadStreams
 
 
 @dataclass(eq=False)
@@ -60,7 +61,7 @@ class SimState:
     """The sim backend's state (made in `SimBackend.__init__`) and the queries on it."""
 
     scheduler: StreamScheduler
-    threads: SimThreads
+    threads: LiveThreads
     _default: SimStream
     _streams: ThreadStreams
     _capture_stream: SimStream

@@ -37,22 +37,6 @@ class ThreadStreams(threading.local):
     current: SimStream | None = None
 
 
-class SimThreads:
-    """The threads the sim has started and the lock they share with the activating thread."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.alive = 0
-
-    def started(self) -> None:
-        with self.lock:
-            self.alive += 1
-
-    def ended(self) -> None:
-        with self.lock:
-            self.alive -= 1
-
-
 def serialized(method: F) -> F:
     """A backend method that holds the threads' lock while a thread the sim started is alive."""
 
@@ -69,9 +53,7 @@ def serialized(method: F) -> F:
 def follow_new_threads(backend: SimBackend) -> Callable[[], None]:
     """Make threads started from now on see `backend`'s modes; returns what puts torch's
     `Thread.start` back."""
-    return run_new_threads_in(
-        lambda: _follower_modes(backend), backend.threads.started, backend.threads.ended
-    )
+    return run_new_threads_in(lambda: _follower_modes(backend), backend.threads)
 
 
 @contextmanager
