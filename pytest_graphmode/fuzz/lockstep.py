@@ -29,9 +29,9 @@ import dataclasses
 import random
 import traceback
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, NoReturn
+from typing import Literal, NoReturn
 
 import torch
 
@@ -46,6 +46,7 @@ from pytest_graphmode.fuzz.construction import (
     state_not_live,
 )
 from pytest_graphmode.fuzz.escaped import harness_error, runner_call
+from pytest_graphmode.fuzz.failure_message import Ran, failure_message
 from pytest_graphmode.fuzz.host_times import HostTimes
 from pytest_graphmode.fuzz.kv_checks import STATES_MATCH
 from pytest_graphmode.fuzz.packed_state import packed_state_as_bytes
@@ -136,27 +137,6 @@ class _Step:
     index: int
 
 
-class _Ran(NamedTuple):
-    """How the graph twin ran a step, kept for a failure's message (its result's tensors not)."""
-
-    path: str
-    graph_key: Hashable | None
-    reason: str | None
-
-
-def _how_it_ran(result: StepResult | _Ran | None) -> str:
-    """The graph twin's path and graph for a step, as a failure's message adds it to the step's
-    line; its result's `reason` too where it ran off a whole graph."""
-    if result is None:
-        return "; graph twin: raised"
-    ran = f"; graph twin: path {result.path}"
-    if result.graph_key is not None:
-        ran += f", graph key {result.graph_key!r}"
-    if result.path != "full" and result.reason:
-        ran += f" ({result.reason})"
-    return ran
-
-
 def _steps(events: Sequence[Batch | Stress]) -> list[_Step]:
     steps: list[_Step] = []
     pending = Stress()
@@ -226,7 +206,7 @@ class Lockstep:
         self.weight_seed: int | None = None
         self._history: list[Event] = []  # the events of the examples run before this one
         # How the graph twin ran each step of this example (by step), for a failure's message.
-        self._ran: dict[int, _Ran | None] = {}
+        self._ran: dict[int, Ran | None] = {}
         self._saved: list[dict[str, torch.Tensor]] = []
         # Measured on cuda only, the one backend whose delays it sizes.
         self.host_times = HostTimes(measure=self.backend.name == "cuda")
@@ -808,7 +788,7 @@ class Lockstep:
 
     def _count(self, step: int, batch: Batch, result: StepResult | None) -> None:
         self._ran[step] = (
-            None if result is None else _Ran(result.path, result.graph_key, result.reason)
+            None if result is None else Ran(result.path, result.graph_key, result.reason)
         )
         self.stats.steps += 1
         self.stats.buckets_hit[bucket_for(self.spec, batch.num_tokens)] += 1
@@ -843,34 +823,7 @@ class Lockstep:
             )
         if when is not None:
             where += f", {when}"
-        steps = [] if batch is None else [(step, batch)]
-        pipelined = []
-        failed_at = f"step {step}"
-        if pair is not None:
-            start = step if batch is pair[0] else step - 1
-            steps = [(start, pair[0]), (start + 1, pair[1])]
-            failed_at += f", in the pipelined pair of steps {start} and {start + 1}"
-            pipelined = [
-                f"steps {start} and {start + 1} ran as a pipelined pair: step {start + 1} was "
-                f"submitted to the graph twin before anything of step {start} was read (whether "
-                "the pairing matters: the snippet with `pipelined=False` in that `Stress` runs "
-                "them one after the other)"
-            ]
-        message = "\n".join(
-            [
-                f"graphmode check {violation.check!r} failed at {failed_at} ({where})",
-                violation.describe(),
-                *(
-                    f"step {at}: {ran.num_reqs} requests, {ran.num_tokens} tokens, phase "
-                    f"{ran.phase}, query lengths {ran.query_lens}"
-                    + (_how_it_ran(self._ran[at]) if at in self._ran else "")
-                    for at, ran in steps
-                ),
-                *pipelined,
-                "replay the minimal schedule with:",
-                snippet,
-            ]
-        )
+        message = failure_message(violation, step, batch, pair, where, self._ran, snippet)
         failure = Failure(violation.check, step, message, self.twin_seed, snippet)
         raise GraphmodeFailure(failure, self.stats)
 

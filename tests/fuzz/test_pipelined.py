@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from pytest_graphmode.contract import Batch, Request, StepResult
 from pytest_graphmode.fuzz import GraphmodeFailure, replay
 from pytest_graphmode.fuzz.checks import RESULTS_STAY_VALID, results_disjoint
+from pytest_graphmode.fuzz.failure_message import how_it_ran
 from pytest_graphmode.fuzz.kv_checks import kv_writes_confined, unlanded
-from pytest_graphmode.fuzz.lockstep import _how_it_ran
 from pytest_graphmode.strategies.plans import StepPlan, Stress
 from pytest_graphmode.strategies.rank_schedules import rank_steps
 from pytest_graphmode.strategies.scheduler import compile_schedule
@@ -224,6 +224,6 @@ def test_a_failed_steps_line_says_how_the_graph_twin_ran_it() -> None:
     eager = StepResult(
         torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), "eager", None, "prefill"
     )
-    assert _how_it_ran(full) == "; graph twin: path full, graph key 8"
-    assert _how_it_ran(eager) == "; graph twin: path eager (prefill)"
-    assert _how_it_ran(None) == "; graph twin: raised"
+    assert how_it_ran(full) == "; graph twin: path full, graph key 8"
+    assert how_it_ran(eager) == "; graph twin: path eager (prefill)"
+    assert how_it_ran(None) == "; graph twin: raised"
