@@ -758,17 +758,14 @@ class Lockstep:
             self._count(step + 1, second.batch, graph1.result)
             self.stats.pipelined_steps += 1
             eager0 = ref0.eager.result
+            # The pair's states, as the first step's; this step's own results and references.
             judged.append(
-                Evidence(
+                dataclasses.replace(
+                    judged[0],
                     batch=second.batch,
-                    spec=self.spec,
                     graph=graph1,
                     eager=ref1.eager,
                     clean=ref1.clean,
-                    graph_before=graph_before,
-                    eager_before=eager_before,
-                    graph_after=graph_after,
-                    eager_after=eager_after,
                     clean_after=clean_after if states_read else {},
                     views=self.graph.address_views() if states_read else [],
                     kept=(
@@ -777,10 +774,11 @@ class Lockstep:
                         else []
                     ),
                     companies=ref1.companies,
-                    states_read=states_read,
                     pipelined="second",
                     paired=(first.batch,),
+                    held=(),
                     step=step + 1,
+                    races=None,
                     matmul=matmul_precision(self.backend.name),
                 )
             )
