@@ -40,6 +40,8 @@ CAUGHT_BY: dict[str, str | tuple[str, ...]] = {
     "spec_len_baked": "replay_matches_eager",  # the capture's query length per row baked in
     # metadata re-planned only for a new shape: a stale slot written in the first example's pair
     "metadata_planned_by_shape": "kv_writes_confined",
+    # two attention wrappers planned in forward, which a replay skips: the warm-up plan replays
+    "multi_wrapper_plan_deferred": "replay_matches_eager",
     # positions advanced on the device where the ids repeat, past a rejected draft's
     "positions_advanced_on_device": "kv_writes_confined",
     "state_slot_padding": "states_match",  # padding rows given a live request's recurrent state
