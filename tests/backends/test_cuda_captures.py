@@ -103,12 +103,14 @@ def test_a_reset_ends_the_watch_of_a_capture_never_ended_and_forgets_what_the_gr
 def test_a_reset_leaves_a_mode_pushed_after_the_capture_where_it_is(watched):
     graph, before = _Graph(), _modes()
     graph.capture_begin()
-    with torch.utils._python_dispatch.TorchDispatchMode():
-        graph.reset()  # the runner's mode is innermost: popping the capture's would pop it
-        assert _modes() == before + 2
-    assert _modes() == before + 1
-    while _modes() > before:  # what the capture left pushed, cleaned up for the next test
-        torch.utils._python_dispatch._pop_mode()
+    try:
+        with torch.utils._python_dispatch.TorchDispatchMode():
+            graph.reset()  # the runner's mode is innermost: popping the capture's would pop it
+            assert _modes() == before + 2
+        assert _modes() == before + 1
+    finally:  # what the capture left pushed, cleaned up for the next test, pass or fail
+        while _modes() > before:
+            torch.utils._python_dispatch._pop_mode()
 
 
 def test_a_graph_without_weak_references_still_ends_its_capture(watched_slotted):
